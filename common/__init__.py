@@ -1,0 +1,1 @@
+"""Shared by router and worker: wire protocol, cost model, config, errors, logging."""

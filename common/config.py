@@ -1,0 +1,248 @@
+"""RouterConfig and WorkerConfig: one frozen dataclass per process, built once in main().
+
+Each field's metadata carries its help text; the argparse parser, the environment name
+(``MLX_ROUTER_<FLAG>`` / ``MLX_WORKER_<FLAG>``) and the TOML key (the flag with
+underscores, in a ``[router]`` or ``[worker]`` table) are all derived from the fields.
+Precedence: CLI > environment > config file > defaults. Nothing reads ``os.environ``
+after ``load()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from common.errors import ConfigError
+
+__all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+OOM_GUARDS = ("abort", "raise", "off")
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, choices: Sequence[str] = (),
+        hidden: bool = False) -> Any:
+    """A config field: its default, help text, and optional flag name and choices."""
+    meta = {"help": help, "flag": flag, "choices": tuple(choices), "hidden": hidden}
+    return field(default=default, metadata=meta)
+
+
+def _check_common(cfg: Any) -> None:
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {LOG_LEVELS}, got {cfg.log_level!r}")
+    if cfg.log_format not in ("text", "json"):
+        raise ConfigError(f"--log-format must be text or json, got {cfg.log_format!r}")
+    if cfg.memory_limit_mb is not None and cfg.memory_limit_mb <= 0:
+        raise ConfigError(f"--memory-limit-mb must be > 0, got {cfg.memory_limit_mb}")
+    if cfg.max_running_requests is not None and cfg.max_running_requests <= 0:
+        raise ConfigError(f"--max-running-requests must be > 0, got {cfg.max_running_requests}")
+    if cfg.oom_guard is not None and cfg.oom_guard not in OOM_GUARDS:
+        raise ConfigError(f"--oom-guard must be one of {OOM_GUARDS}, got {cfg.oom_guard!r}")
+    if not cfg.model:
+        raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    """mlx-router: the HTTP front end."""
+
+    model: str = opt("", "Model: a local mlx-lm folder, a Hugging Face repo id, or 'demo'.")
+    host: str = opt("127.0.0.1", "Address to listen on.")
+    port: int = opt(8080, "Port to listen on.")
+    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on API requests.")
+    max_queue: int = opt(256, "Most requests that may wait in the queue; more get 429.")
+    queue_timeout_s: float = opt(
+        300.0, "Seconds a request may wait in the queue before a 503.", flag="queue-timeout")
+    default_max_tokens: int = opt(512, "max_tokens when a request gives none.")
+    drain_timeout_s: float = opt(
+        30.0, "On SIGTERM, seconds to let in-flight requests finish.", flag="drain-timeout")
+    max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
+    log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
+    log_format: str = opt("text", "Log format.", choices=("text", "json"))
+    worker_mode: str = opt(
+        "spawn", "spawn: start and supervise a worker; external: wait for one to connect.",
+        choices=("spawn", "external"))
+    worker_addr: str | None = opt(
+        None, "ZeroMQ address the router binds for workers (default: ipc:// in a 0700 runtime dir).")
+    memory_limit_mb: int | None = opt(None, "Worker memory limit in MiB (spawned worker).")
+    max_running_requests: int | None = opt(None, "Cap on requests running at once (spawned worker).")
+    oom_guard: str | None = opt(
+        None, "Spawned worker's OOM guard: abort|raise|off.", choices=OOM_GUARDS)
+    unsafe_no_admission: bool = opt(
+        False, "Turn memory admission off (tests and benchmarks only).")
+    worker_arg: tuple[str, ...] = opt(
+        (), "Extra argument passed to the spawned worker (repeatable).", hidden=True)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queue < 0:
+            raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.queue_timeout_s <= 0:
+            raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
+        if self.default_max_tokens <= 0:
+            raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.worker_mode not in ("spawn", "external"):
+            raise ConfigError(f"--worker-mode must be spawn or external, got {self.worker_mode!r}")
+        if self.worker_mode == "external" and not self.worker_addr:
+            raise ConfigError("--worker-mode external needs --worker-addr (the address workers connect to)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    """mlx-worker: owns the model and the memory."""
+
+    model: str = opt("", "Model: a local mlx-lm folder, a Hugging Face repo id, or 'demo'.")
+    router: str = opt("", "ZeroMQ address of the router to connect to.")
+    memory_limit_mb: int | None = opt(None, "Memory limit in MiB (caps any device).")
+    max_running_requests: int | None = opt(None, "Cap on requests running at once.")
+    oom_guard: str | None = opt(
+        None, "abort|raise|off; default abort when not on Metal and --memory-limit-mb is set.",
+        choices=OOM_GUARDS)
+    unsafe_no_admission: bool = opt(
+        False, "Turn memory admission off (tests and benchmarks only).")
+    prefill_step_size: int = opt(512, "Largest prefill chunk in tokens.")
+    max_batch_size: int = opt(32, "Most sequences decoded together.")
+    log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
+    log_format: str = opt("text", "Log format.", choices=("text", "json"))
+    incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
+    parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
+    test_wedge_after_steps: int | None = opt(
+        None, "Test only: wedge the engine loop after N steps.", hidden=True)
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if not self.router:
+            raise ConfigError("--router is required (the router's ZeroMQ address)")
+        if self.prefill_step_size < 16:
+            raise ConfigError(f"--prefill-step-size must be >= 16, got {self.prefill_step_size}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+
+
+C = TypeVar("C", RouterConfig, WorkerConfig)
+_SECTION = {RouterConfig: "router", WorkerConfig: "worker"}
+
+
+def default_config_path(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")) / ".config")
+    return Path(base).expanduser() / "mlx-headroom" / "config.toml"
+
+
+def _flag(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("flag") or f.name.replace("_", "-")
+
+
+def _base_type(f: dataclasses.Field[Any], cls: type) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return tuple
+    return args[0] if args else hint
+
+
+def _coerce(value: Any, f: dataclasses.Field[Any], cls: type, where: str) -> Any:
+    kind = _base_type(f, cls)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is tuple:
+            if isinstance(value, str):
+                return tuple(value.split())
+            return tuple(str(v) for v in value)
+        if kind is int and isinstance(value, float):
+            raise ValueError(value)
+        if isinstance(value, bool) and kind is not bool:
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{where}: bad value {value!r} for {_flag(f)} (expected {kind.__name__})"
+        ) from None
+
+
+def _parser(cls: type, prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__,
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="TOML config file ([router] / [worker] tables).")
+    for f in dataclasses.fields(cls):
+        kind = _base_type(f, cls)
+        flag = "--" + _flag(f)
+        help_text = argparse.SUPPRESS if f.metadata.get("hidden") else f.metadata["help"]
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+        elif kind is tuple:
+            parser.add_argument(flag, dest=f.name, action="append", help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=str, help=help_text,
+                                choices=f.metadata.get("choices") or None)
+    return parser
+
+
+def load(cls: type[C], argv: Sequence[str], env: Mapping[str, str], prog: str) -> C:
+    """Build the config from CLI > env > file > defaults. Raise ConfigError on bad input."""
+    section = _SECTION[cls]
+    args = vars(_parser(cls, prog).parse_args(list(argv)))
+    values: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    config_path = args.pop("config", None) or env.get(f"MLX_{section.upper()}_CONFIG")
+    path = Path(config_path).expanduser() if config_path else default_config_path(env)
+    if config_path or path.exists():
+        values.update(_read_file(cls, path, section, explicit=bool(config_path)))
+
+    for name, f in fields.items():
+        env_name = f"MLX_{section.upper()}_{_flag(f).upper().replace('-', '_')}"
+        if env_name in env:
+            values[name] = _coerce(env[env_name], f, cls, f"environment {env_name}")
+    for name, raw in args.items():
+        values[name] = _coerce(raw, fields[name], cls, "command line")
+    return cls(**values)
+
+
+def _read_file(cls: type, path: Path, section: str, *, explicit: bool) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist") from None
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    unknown_tables = set(data) - {"router", "worker"}
+    if unknown_tables:
+        raise ConfigError(f"config file {path}: unknown table(s) {sorted(unknown_tables)}")
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [{section}] must be a table")
+    by_key = {_flag(f).replace("-", "_"): f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        f = by_key.get(key)
+        if f is None:
+            raise ConfigError(f"config file {path}: unknown key {key!r} in [{section}]")
+        values[f.name] = _coerce(raw, f, cls, f"config file {path} [{section}] {key}")
+    return values
+
+
+def env_snapshot() -> dict[str, str]:
+    """The one read of the environment, for main()."""
+    return dict(os.environ)

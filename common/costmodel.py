@@ -1,0 +1,161 @@
+"""The memory cost model: pure functions on numbers, shared by router and worker.
+
+The worker fits the coefficients and publishes them in ``hello`` (``CostModel.to_dict``);
+the router applies the same functions to decide "fits ever?" before any GPU work.
+No mlx, no asyncio, no clocks here.
+
+Shapes follow what mlx-lm really allocates: ``BatchKVCache`` is one dense, left-padded
+tensor per layer whose length grows in steps of ``KV_STEP_TOKENS``; every row is as long
+as the longest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "KV_STEP_TOKENS",
+    "MIN_REQUEST_TOKENS",
+    "CostModel",
+    "kv_bytes_per_token",
+    "roundup",
+    "batch_kv_bytes",
+    "prefill_transient_bytes",
+    "growth_spike_bytes",
+    "request_cost_bytes",
+    "batch_cost_bytes",
+    "max_request_tokens",
+    "never_fits",
+    "safe_prefill_chunk",
+    "fits_now",
+]
+
+# mlx-lm's BatchKVCache.step: caches grow by this many tokens at a time.
+KV_STEP_TOKENS = 256
+# The smallest request worth starting a worker for: one KV step of prompt plus output.
+MIN_REQUEST_TOKENS = KV_STEP_TOKENS
+# Smallest prefill chunk we ever use; below this per-step overhead dominates.
+MIN_CHUNK_TOKENS = 32
+
+
+def roundup(tokens: int, step: int = KV_STEP_TOKENS) -> int:
+    """Round up to the cache's growth step (0 stays 0)."""
+    return -(-max(tokens, 0) // step) * step
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Keys and values (x2) for every layer, for one token of one row."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """The coefficients the worker admits by; all sizes in bytes."""
+
+    kv_bytes_per_token: int
+    num_layers: int
+    # Prefill transient per row ≈ a·chunk + c·chunk·context (activations, attention scores).
+    prefill_a_bytes: float
+    prefill_c_bytes: float
+    # Fraction of one layer's old cache that coexists with the new one when a cache grows.
+    growth_factor: float = 1.0
+    budget_bytes: int
+    context_length: int
+    prefill_step_tokens: int
+    prefill_batch_size: int = 8
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def batch_kv_bytes(rows: int, longest_tokens: int, kv_per_token: int) -> int:
+    """Dense, left-padded: every row is as long as the longest, rounded to the step."""
+    return rows * roundup(longest_tokens) * kv_per_token
+
+
+def prefill_transient_bytes(m: CostModel, chunk_tokens: int, context_tokens: int, rows: int = 1) -> int:
+    """Working memory of one prefill chunk (freed at the end of the step)."""
+    per_row = m.prefill_a_bytes * chunk_tokens + m.prefill_c_bytes * chunk_tokens * context_tokens
+    return int(rows * per_row)
+
+
+def growth_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
+    """When a layer's cache grows, its old buffer and the new one coexist for a moment."""
+    per_layer_old = rows * roundup(longest_tokens) * m.kv_bytes_per_token / max(m.num_layers, 1)
+    return int(m.growth_factor * per_layer_old)
+
+
+def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int) -> int:
+    """Peak cost of one request on an idle worker: its cache, its first chunk, a growth."""
+    total = prompt_tokens + max_tokens
+    chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
+    return (
+        batch_kv_bytes(1, total, m.kv_bytes_per_token)
+        + prefill_transient_bytes(m, chunk, prompt_tokens)
+        + growth_spike_bytes(m, 1, total)
+    )
+
+
+def batch_cost_bytes(m: CostModel, rows: int, longest_tokens: int, chunk_tokens: int,
+                     prefill_rows: int, context_tokens: int) -> int:
+    """Worst case of a batch: every row padded to the longest, plus one prefill chunk."""
+    return (
+        batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token)
+        + prefill_transient_bytes(m, chunk_tokens, context_tokens, prefill_rows)
+        + growth_spike_bytes(m, rows, longest_tokens)
+    )
+
+
+def never_fits(m: CostModel, prompt_tokens: int, max_tokens: int) -> bool:
+    """Even an idle worker could not hold it."""
+    return request_cost_bytes(m, prompt_tokens, max_tokens) > m.budget_bytes
+
+
+def max_request_tokens(m: CostModel) -> int:
+    """The longest prompt + max_tokens an idle worker can hold (≤ the context length).
+
+    Cost grows monotonically with length, so a binary search over step multiples is exact
+    to the step; we charge the whole total as prompt (the conservative split).
+    """
+    lo, hi = 0, m.context_length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if request_cost_bytes(m, mid - 1, 1) <= m.budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows: int = 1) -> int:
+    """Largest chunk whose transient fits in ``free_bytes``; never above the static step."""
+    per_token = rows * (m.prefill_a_bytes + m.prefill_c_bytes * max(context_tokens, 1))
+    if per_token <= 0:
+        return m.prefill_step_tokens
+    chunk = int(free_bytes // per_token)
+    return max(MIN_CHUNK_TOKENS, min(chunk, m.prefill_step_tokens))
+
+
+def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
+             prefill_rows: int, free_bytes: int) -> tuple[bool, int]:
+    """Can a request join the running batch now? Returns (fits, the batch's new worst case).
+
+    The batch's worst case is charged in the real padded shape: every row as long as the
+    longest prompt + max_tokens. ``free_bytes`` is live headroom minus what is already
+    promised to running rows but not yet allocated; the increment must fit in it.
+    """
+    total = prompt_tokens + max_tokens
+    chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
+    old_worst = 0
+    if running_totals:
+        old_worst = batch_cost_bytes(m, len(running_totals), max(running_totals), 0, 0, 0)
+    new_worst = batch_cost_bytes(m, len(running_totals) + 1, max(running_totals + [total]),
+                                 chunk, prefill_rows + 1, prompt_tokens)
+    fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
+    return fits, new_worst

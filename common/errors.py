@@ -1,0 +1,155 @@
+"""The Headroom error tree. Each class knows its HTTP status, OpenAI type and code.
+
+    HeadroomError
+    ├── BadRequest (400)                  not recoverable by retrying the same request
+    │   ├── ContextLengthExceeded         prompt + max_tokens over the model's context
+    │   └── InsufficientMemory            could never fit, even on an idle worker
+    ├── Unauthorized (401)
+    ├── PayloadTooLarge (413)
+    ├── QueueFull (429)                   recoverable: retry later
+    ├── Unavailable (503)                 recoverable: retry later (Retry-After)
+    │   ├── NoWorker                      no worker can serve (failed, shutting down)
+    │   ├── QueueTimeout                  waited past --queue-timeout
+    │   ├── WorkerLost                    its worker died while it ran
+    │   └── RequestQuarantined            in flight at two worker deaths: do not retry
+    ├── ProtocolError                     a bad frame; counted and dropped, never reaches HTTP
+    └── ConfigError                       a bad flag, env var or config file entry
+
+Only ``router/api.py``'s middleware turns these into HTTP responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "HeadroomError",
+    "BadRequest",
+    "ContextLengthExceeded",
+    "InsufficientMemory",
+    "Unauthorized",
+    "PayloadTooLarge",
+    "QueueFull",
+    "Unavailable",
+    "NoWorker",
+    "QueueTimeout",
+    "WorkerLost",
+    "RequestQuarantined",
+    "ProtocolError",
+    "ConfigError",
+]
+
+
+class HeadroomError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+    retry_after_s: ClassVar[int | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.extra = extra
+
+    def to_body(self) -> dict[str, Any]:
+        """The OpenAI error shape, also used as the data of an SSE ``error`` event."""
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+
+class BadRequest(HeadroomError, ValueError):
+    """The request is invalid; retrying it unchanged will fail again."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(BadRequest):
+    """Prompt plus max_tokens exceed the model's context length. Not recoverable."""
+
+    code = "context_length_exceeded"
+
+
+class InsufficientMemory(BadRequest):
+    """Even an idle worker could not hold this request. Not recoverable."""
+
+    code = "insufficient_memory"
+
+
+class Unauthorized(HeadroomError):
+    """Missing or wrong API key."""
+
+    status = 401
+    type = "authentication_error"
+    code = "unauthorized"
+
+
+class PayloadTooLarge(HeadroomError):
+    """The request body is over the router's size limit. Not recoverable."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class QueueFull(HeadroomError):
+    """The router's queue is full. Recoverable: retry after a moment."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after_s = 1
+
+
+class Unavailable(HeadroomError):
+    """The service cannot answer now. Recoverable: retry after Retry-After."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+    retry_after_s = 1
+
+
+class NoWorker(Unavailable):
+    """No worker can take requests (failed, or the router is shutting down)."""
+
+    code = "no_worker"
+    retry_after_s = 5
+
+
+class QueueTimeout(Unavailable, TimeoutError):
+    """The request waited in the queue past its deadline. Recoverable."""
+
+    code = "queue_timeout"
+
+
+class WorkerLost(Unavailable):
+    """The worker running this request died. Recoverable: the worker is being restarted."""
+
+    code = "worker_lost"
+    retry_after_s = 2
+
+
+class RequestQuarantined(Unavailable):
+    """This request was in flight at two worker deaths. Not recoverable by retrying."""
+
+    code = "request_quarantined"
+    retry_after_s = 60
+
+
+class ProtocolError(HeadroomError):
+    """A malformed, unknown or mismatched frame. The reader counts and drops it."""
+
+
+class ConfigError(HeadroomError, ValueError):
+    """A bad flag, environment variable or config file entry. Fatal at startup."""

@@ -1,0 +1,255 @@
+"""What is on the wire between mlx-router and mlx-worker.
+
+Every frame is one msgpack map: ``{"v": PROTOCOL_VERSION, "type": <name>, ...fields}``.
+Every message carries the worker's ``incarnation``, so anything from (or for) an old
+incarnation can be recognised and dropped. This is the only module that imports msgpack.
+
+``decode`` never raises anything but ``ProtocolError``: a malformed, truncated, oversized
+or unknown frame, or one of another protocol version, is a ``ProtocolError`` that the
+caller counts and drops. Neither process may die of a bad frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import msgpack
+
+from common.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "MESSAGE_TYPES",
+    "FinishReason",
+    "RejectReason",
+    "Hello",
+    "Generate",
+    "Cancel",
+    "Tokens",
+    "Reject",
+    "Status",
+    "Heartbeat",
+    "Shutdown",
+    "Message",
+    "encode",
+    "decode",
+    "ExitCode",
+]
+
+PROTOCOL_VERSION = 1
+# A prompt of 1M token ids is ~5 MB of msgpack; anything much larger is garbage or abuse.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class ExitCode:
+    """Worker exit codes: a protocol with whoever supervises it (router, launchd)."""
+
+    OK = 0
+    CONFIG_ERROR = 2        # bad flags or config file: will fail again, never restart
+    LOAD_ERROR = 3          # model failed to load: will fail again, never restart in a loop
+    NO_MEMORY = 4           # cannot serve even a minimal request: will fail again
+    UNTRUSTED_STATE = 5     # a caught memory error left state we cannot trust: restart
+    PROTOCOL_MISMATCH = 6   # the router speaks another protocol version: never restart
+
+    # Exits that say "the same start will fail the same way".
+    PERMANENT = frozenset({CONFIG_ERROR, LOAD_ERROR, NO_MEMORY, PROTOCOL_MISMATCH})
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RejectReason(StrEnum):
+    NEVER_FITS = "never_fits"
+    NOT_NOW = "not_now"
+    BAD_REQUEST = "bad_request"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """Worker → router, once after load: who it is and the cost model it admits by."""
+
+    type: ClassVar[str] = "hello"
+    incarnation: int
+    pid: int
+    package_version: str
+    protocol_version: int = PROTOCOL_VERSION
+    model_id: str
+    fingerprint: str
+    context_length: int
+    tokenizer_path: str
+    eos_token_ids: list[int]
+    admission: bool
+    cost_model: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generate:
+    """Router → worker: run one request. ``seed`` None means unseeded sampling."""
+
+    type: ClassVar[str] = "generate"
+    incarnation: int
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    reservation_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel:
+    """Router → worker: forget a request (client gone, stop string matched)."""
+
+    type: ClassVar[str] = "cancel"
+    incarnation: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tokens:
+    """Worker → router, one per engine step: ``outputs`` rows are
+    ``[request_id, new_token_ids, finish_reason | None]``."""
+
+    type: ClassVar[str] = "tokens"
+    incarnation: int
+    step: int
+    outputs: list[list[Any]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reject:
+    """Worker → router: the request was not taken. ``not_now`` means re-queue."""
+
+    type: ClassVar[str] = "reject"
+    incarnation: int
+    request_id: str
+    reason: str
+    message: str = ""
+    needed_bytes: int = 0
+    max_request_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Status:
+    """Worker → router: the live memory report (fields as in DESIGN's /v1/memory)."""
+
+    type: ClassVar[str] = "status"
+    incarnation: int
+    report: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Both ways. From the worker, ``step`` must advance while work is waiting."""
+
+    type: ClassVar[str] = "heartbeat"
+    incarnation: int
+    step: int = 0
+    has_work: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown:
+    """Router → worker: finish up and exit. Worker → router: I am exiting, and why."""
+
+    type: ClassVar[str] = "shutdown"
+    incarnation: int
+    reason: str = ""
+
+
+Message = Hello | Generate | Cancel | Tokens | Reject | Status | Heartbeat | Shutdown
+MESSAGE_TYPES: dict[str, type] = {
+    cls.type: cls for cls in (Hello, Generate, Cancel, Tokens, Reject, Status, Heartbeat, Shutdown)
+}
+
+
+def encode(msg: Message) -> bytes:
+    """One msgpack map per message; field order is irrelevant to the reader."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
+    for f in dataclasses.fields(msg):
+        body[f.name] = getattr(msg, f.name)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and type-check one frame; raise ``ProtocolError`` on anything else."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame is {type(frame).__name__}, not bytes")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        body = msgpack.unpackb(
+            frame, raw=False, strict_map_key=True
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for bad input
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("frame is not a map")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(body.pop("type", None))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in body:
+            value = body.pop(f.name)
+            if not _conforms(value, hints[f.name]):
+                raise ProtocolError(f"{cls.type}.{f.name} has the wrong type")
+            kwargs[f.name] = value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.type} lacks {f.name}")
+    # Unknown extra fields are tolerated: a newer peer of the same version may add some.
+    return cls(**kwargs)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """A small structural check for the handful of types messages use."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        (arg,) = typing.get_args(hint) or (Any,)
+        if arg is int:  # token id lists are the hot path: one pass, no recursion
+            return all(type(v) is int for v in value)
+        return all(_conforms(v, arg) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return False

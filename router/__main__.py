@@ -1,0 +1,80 @@
+"""main() behind the mlx-router script: load config, set up logging, run the app."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from common.config import RouterConfig, env_snapshot, load
+from common.errors import ConfigError
+from common.log import setup_logging
+from router import ipc
+from router.app import API, STATE, SUPERVISOR, make_app
+
+log = logging.getLogger("router")
+
+# How often the drain loop looks at the in-flight count.
+DRAIN_POLL_S = 0.1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    env = env_snapshot()
+    if args and args[0] in ("service", "status"):
+        from router.service import run_command
+
+        return run_command(args, env)
+    try:
+        cfg = load(RouterConfig, args, env, prog="mlx-router")
+        addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
+        ipc.check_addr(addr)
+        lock = ipc.lock_addr(addr)
+    except ConfigError as exc:
+        print(f"mlx-router: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
+    try:
+        return asyncio.run(serve(cfg, addr, env))
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+async def serve(cfg: RouterConfig, addr: str, env: dict[str, str]) -> int:
+    app = make_app(cfg, addr, env)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
+        await runner.cleanup()
+        return 1
+    log.info("mlx-router listening on http://%s:%d (workers: %s, mode %s)", cfg.host, cfg.port,
+             addr, cfg.worker_mode)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Signal handlers only set a flag or enqueue work; the loop does the rest.
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app[SUPERVISOR].restart_now)
+    await stop.wait()
+    app[STATE].draining = True
+    log.info("[shutdown] draining up to %.0fs (%d in flight)", cfg.drain_timeout_s,
+             app[API].num_in_flight)
+    deadline = loop.time() + cfg.drain_timeout_s
+    while app[API].num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    log.info("[shutdown] stopping (%d still in flight)", app[API].num_in_flight)
+    await runner.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Why was a request refused, or why is it still waiting? Pure decisions over numbers.
+
+Two questions, answered from the cost model the worker published in ``hello`` and its
+latest ``status``:
+- ``check_ever``: can this request ever run? No → 400 before any GPU work.
+- ``can_dispatch``: may it go to the worker now? No → it stays queued. A stale report
+  means "queue", never "admit".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from common import costmodel
+from common.costmodel import CostModel
+from common.errors import BadRequest, ContextLengthExceeded, InsufficientMemory
+
+# A status report older than this is too old to admit on.
+STALE_REPORT_S = 2.0
+
+
+class Verdict(StrEnum):
+    DISPATCH = "dispatch"
+    QUEUE = "queue"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the router knows of its worker, as plain numbers."""
+
+    model: CostModel
+    admission: bool
+    max_running: int
+    report_age_s: float
+    held: bool = False              # the worker said "not now"; wait for a fresh report
+
+
+def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens: int) -> BadRequest | None:
+    """The 400s: over the context, or more memory than an idle worker has."""
+    total = prompt_tokens + max_tokens
+    if total > model.context_length:
+        return ContextLengthExceeded(
+            f"this model's maximum context length is {model.context_length} tokens; the "
+            f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens} "
+            f"({total} in all)", param="messages" if prompt_tokens > max_tokens else "max_tokens")
+    if admission and costmodel.never_fits(model, prompt_tokens, max_tokens):
+        limit = costmodel.max_request_tokens(model)
+        return InsufficientMemory(
+            f"the request needs more memory than the worker has even when idle: prompt "
+            f"{prompt_tokens} + max_tokens {max_tokens} tokens; at most {limit} fit",
+            param="max_tokens",
+            needed_bytes=costmodel.request_cost_bytes(model, prompt_tokens, max_tokens),
+            max_request_tokens=limit)
+    return None
+
+
+def check_max_tokens_only(model: CostModel, admission: bool, max_tokens: int) -> BadRequest | None:
+    """Before tokenizing anything: a prompt has at least one token, so this bound is safe."""
+    return check_ever(model, admission, 1, max_tokens)
+
+
+def can_dispatch(view: WorkerView, in_flight_totals: list[int], prompt_tokens: int,
+                 max_tokens: int) -> Verdict:
+    """Dispatch only what the worker has reserved room for, by the router's own count."""
+    if view.held or view.report_age_s > STALE_REPORT_S:
+        return Verdict.QUEUE
+    if len(in_flight_totals) >= view.max_running:
+        return Verdict.QUEUE
+    if not view.admission:
+        return Verdict.DISPATCH
+    m = view.model
+    longest = max(in_flight_totals + [prompt_tokens + max_tokens])
+    chunk = min(prompt_tokens, m.prefill_step_tokens)
+    worst = costmodel.batch_cost_bytes(m, len(in_flight_totals) + 1, longest, chunk, 1, prompt_tokens)
+    return Verdict.DISPATCH if worst <= m.budget_bytes else Verdict.QUEUE

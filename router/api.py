@@ -1,0 +1,285 @@
+"""OpenAI handlers: parse, validate, admit, enqueue, stream. Errors become HTTP here only.
+
+Handlers raise ``HeadroomError``s; ``error_middleware`` is the one place that turns any
+error into the OpenAI error shape with the right status and ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from common.errors import (
+    BadRequest, HeadroomError, NoWorker, PayloadTooLarge, QueueTimeout, RequestQuarantined,
+    Unauthorized,
+)
+from router import admission
+from common.protocol import Hello
+from router.dispatch import Dispatcher
+from router.job import Job, TokenEvent
+from router.output import Collector, Formatter
+from router.schema import Parsed, parse_chat, parse_completion
+from router.status import Metrics
+from router.tokenizer import RouterTokenizer
+
+log = logging.getLogger(__name__)
+
+# A stream with nothing to say for this long sends an SSE comment, so a vanished client is
+# noticed (the write fails) even during a long prefill or wait in the queue.
+KEEPALIVE_S = 5.0
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except HeadroomError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(PayloadTooLarge("the request body is too large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = {"error": {"message": exc.reason, "type": "invalid_request_error", "param": None,
+                          "code": str(exc.status)}}
+        return web.json_response(body, status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(HeadroomError("internal server error"))
+
+
+def error_response(exc: HeadroomError) -> web.Response:
+    headers: dict[str, str] = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
+    if isinstance(exc, RequestQuarantined):
+        headers["x-should-retry"] = "false"
+    return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _log_preload_failure(task: asyncio.Future[RouterTokenizer]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("could not load the tokenizer: %s", task.exception())
+
+
+class Api:
+    """The OpenAI-compatible endpoints."""
+
+    def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
+                 default_max_tokens: int, queue_timeout_s: float, api_key: str | None,
+                 is_draining: Callable[[], bool]) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.model_id = model_id
+        self.default_max_tokens = default_max_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.api_key = api_key
+        self.is_draining = is_draining
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._tokenizer: RouterTokenizer | None = None
+        self._tokenizer_path: str | None = None
+        self._tokenizer_lock = asyncio.Lock()
+        self._tokenizer_task: asyncio.Future[RouterTokenizer] | None = None
+        self.num_in_flight = 0
+
+    def check_auth(self, request: web.Request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.check_auth(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, "chat")
+
+    async def _serve(self, request: web.Request, parse: Callable[[Any, int], Parsed],
+                     endpoint: str) -> web.StreamResponse:
+        arrived = time.monotonic()
+        status = 500
+        try:
+            self.check_auth(request)
+            if self.is_draining():
+                raise NoWorker("the server is shutting down")
+            parsed = parse(await self._json(request), self.default_max_tokens)
+            job = await self._admit(parsed, arrived)
+            response = await self._run(request, parsed, job)
+            status = response.status
+            return response
+        except HeadroomError as exc:
+            status = exc.status
+            if exc.status != 500:
+                self.metrics.rejections.labels(code=exc.code).inc()
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+
+    def preload_tokenizer(self, hello: Hello) -> None:
+        """Load the tokenizer as soon as a worker says hello, not at the first request."""
+        if self._tokenizer_path != hello.tokenizer_path:
+            task = asyncio.ensure_future(self._load_tokenizer(hello.tokenizer_path))
+            task.add_done_callback(_log_preload_failure)
+            self._tokenizer_task = task
+
+    @property
+    def tokenizer_ready(self) -> bool:
+        link = self.dispatcher.link
+        return self._tokenizer is not None and link is not None \
+            and self._tokenizer_path == link.hello.tokenizer_path
+
+    async def _load_tokenizer(self, path: str) -> RouterTokenizer:
+        async with self._tokenizer_lock:
+            if self._tokenizer is None or self._tokenizer_path != path:
+                loop = asyncio.get_running_loop()
+                self._tokenizer = await loop.run_in_executor(self.pool, RouterTokenizer.load, path)
+                self._tokenizer_path = path
+            return self._tokenizer
+
+    async def _tokenizer_for(self, deadline: float) -> tuple[RouterTokenizer, Any]:
+        """Wait (until the queue deadline) for a worker's hello, then its tokenizer."""
+        d = self.dispatcher
+        while d.link is None:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await d.ready.wait()
+            except TimeoutError:
+                raise QueueTimeout("no worker became ready before the request's queue timeout") from None
+        link = d.link
+        tokenizer = self._tokenizer
+        if tokenizer is None or self._tokenizer_path != link.hello.tokenizer_path:
+            tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
+        return tokenizer, link
+
+    async def _admit(self, parsed: Parsed, arrived: float) -> Job:
+        deadline = arrived + self.queue_timeout_s
+        tokenizer, link = await self._tokenizer_for(deadline)
+        # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
+        error = admission.check_max_tokens_only(link.model, link.hello.admission,
+                                                parsed.sampling.max_tokens)
+        if error is None:
+            ids = await self._tokenize(tokenizer, parsed)
+            error = admission.check_ever(link.model, link.hello.admission, len(ids),
+                                         parsed.sampling.max_tokens)
+        if error is not None:
+            raise error
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        job = Job(request_id=prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
+                  deadline=deadline, enqueued_at=time.monotonic())
+        self.dispatcher.submit(job)
+        self.metrics.prompt_tokens.inc(len(ids))
+        return job
+
+    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> list[int]:
+        if parsed.prompt_ids is not None:
+            if min(parsed.prompt_ids) < 0 or max(parsed.prompt_ids) >= tokenizer.vocab_size:
+                raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+            return parsed.prompt_ids
+        loop = asyncio.get_running_loop()
+        if parsed.messages is not None:
+            return await loop.run_in_executor(self.pool, tokenizer.encode_chat, parsed.messages)
+        return await loop.run_in_executor(self.pool, tokenizer.encode, parsed.prompt_text)
+
+    async def _run(self, request: web.Request, parsed: Parsed, job: Job) -> web.StreamResponse:
+        assert self._tokenizer is not None
+        collector = Collector(self._tokenizer.make_detokenizer(), parsed.stop, len(job.prompt_ids))
+        fmt = Formatter(parsed, job.request_id, self.model_id)
+        self.num_in_flight += 1
+        try:
+            if parsed.stream:
+                return await self._stream(request, job, collector, fmt, parsed.include_usage)
+            return await self._collect(job, collector, fmt)
+        finally:
+            self.num_in_flight -= 1
+            self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
+            self._observe(job)
+
+    def _observe(self, job: Job) -> None:
+        if job.dispatched_at is not None:
+            self.metrics.queue_wait.observe(job.dispatched_at - job.enqueued_at)
+        if job.first_token_at is not None:
+            self.metrics.ttft.observe(job.first_token_at - job.enqueued_at)
+
+    async def _collect(self, job: Job, collector: Collector, fmt: Formatter) -> web.Response:
+        while not collector.finished:
+            event = await job.events.get()
+            if isinstance(event, HeadroomError):
+                raise event
+            collector.feed(event)
+        return web.json_response(fmt.full(collector))
+
+    async def _stream(self, request: web.Request, job: Job, collector: Collector, fmt: Formatter,
+                      include_usage: bool) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        while not collector.finished:
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    event = await job.events.get()
+            except TimeoutError:
+                response = response or await self._start_stream(request)
+                await response.write(b": keepalive\n\n")
+                continue
+            if isinstance(event, HeadroomError):
+                if response is None:
+                    raise event  # nothing sent yet: a plain HTTP error is clearer
+                await response.write(sse(event.to_body(), event="error") + b"data: [DONE]\n\n")
+                return response
+            response = response or await self._start_stream(request)
+            chunk = self._drain(job, collector, fmt, event)
+            if chunk is not None:
+                await response.write(chunk)
+        assert response is not None
+        tail = sse(fmt.final_chunk(collector))
+        if include_usage:
+            tail += sse(fmt.usage_chunk(collector))
+        await response.write(tail + b"data: [DONE]\n\n")
+        return response
+
+    def _drain(self, job: Job, collector: Collector, fmt: Formatter, event: TokenEvent) -> bytes | None:
+        """Feed this event and any already waiting, and return one SSE write for them."""
+        collector.feed(event)
+        while not collector.finished and not job.events.empty():
+            more = job.events.get_nowait()
+            if isinstance(more, HeadroomError):
+                job.events.put_nowait(more)  # keep it for the loop: flush the text first
+                break
+            collector.feed(more)
+        delta = collector.take_delta()
+        if not delta and not fmt.needs_first_chunk():
+            return None
+        return sse(fmt.chunk(delta))
+
+    async def _start_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(request)
+        return response

@@ -1,0 +1,62 @@
+"""Where workers find the router: an ipc:// path in a 0700 runtime dir, guarded by a lock.
+
+macOS limits a Unix socket path to 103 bytes, so the path is kept short and checked.
+The lock makes a second router on the same address fail loudly instead of stealing it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+from common.errors import ConfigError
+
+# sockaddr_un.sun_path is 104 bytes on macOS, including the terminating NUL.
+MAX_IPC_PATH_BYTES = 103
+
+
+def runtime_dir(env: Mapping[str, str]) -> Path:
+    """$XDG_RUNTIME_DIR/mlx-headroom, else /tmp/mlx-headroom-<uid>; created 0700."""
+    base = env.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "mlx-headroom" if base else Path(tempfile.gettempdir()) / f"mlx-headroom-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"runtime dir {path} belongs to another user")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def default_worker_addr(port: int, env: Mapping[str, str]) -> str:
+    return f"ipc://{runtime_dir(env) / f'router-{port}.sock'}"
+
+
+def check_addr(addr: str) -> None:
+    if addr.startswith("ipc://"):
+        path = addr[len("ipc://"):]
+        if len(path.encode()) > MAX_IPC_PATH_BYTES:
+            raise ConfigError(f"--worker-addr {addr}: the socket path is longer than "
+                              f"{MAX_IPC_PATH_BYTES} bytes (macOS's limit); use a shorter one")
+    elif not addr.startswith(("tcp://", "inproc://")):
+        raise ConfigError(f"--worker-addr {addr}: expected ipc://PATH or tcp://HOST:PORT")
+
+
+def lock_addr(addr: str) -> IO[str] | None:
+    """Hold an exclusive lock beside an ipc socket for the router's lifetime."""
+    if not addr.startswith("ipc://"):
+        return None
+    lock_path = addr[len("ipc://"):] + ".lock"
+    fh = open(lock_path, "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise ConfigError(f"another mlx-router already serves workers at {addr}") from None
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh

@@ -1,0 +1,117 @@
+"""From token events to OpenAI responses: detokenize, apply stop strings, count, format."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from router.job import TokenEvent
+from router.schema import Parsed
+from router.stops import StopMatcher
+from router.tokenizer import IncrementalDetokenizer
+
+
+class Collector:
+    """Text and usage of one request as its tokens arrive."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int) -> None:
+        self.detokenizer = detokenizer
+        self.stops = StopMatcher(stops) if stops else None
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.parts: list[str] = []
+        self._delta: list[str] = []
+
+    def feed(self, event: TokenEvent) -> None:
+        if self.finished:
+            return
+        self.completion_tokens += len(event.token_ids)
+        text = self.detokenizer.add(event.token_ids)
+        if event.finish_reason is not None:
+            text += self.detokenizer.flush()
+        stopped = False
+        if self.stops is not None:
+            text, stopped = self.stops.feed(text)
+            if event.finish_reason is not None and not stopped:
+                text += self.stops.flush()
+                stopped = self.stops.is_stopped
+        if text:
+            self.parts.append(text)
+            self._delta.append(text)
+        if stopped:
+            self.finished, self.finish_reason = True, "stop"
+        elif event.finish_reason is not None:
+            self.finished = True
+            self.finish_reason = "length" if event.finish_reason == "length" else "stop"
+
+    def take_delta(self) -> str:
+        delta = "".join(self._delta)
+        self._delta.clear()
+        return delta
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Formatter:
+    """The OpenAI shapes for chat and text completions, streamed and not."""
+
+    def __init__(self, parsed: Parsed, request_id: str, model_id: str) -> None:
+        self.chat = parsed.kind == "chat"
+        self.include_usage = parsed.include_usage
+        self.request_id = request_id
+        self.model_id = model_id
+        self.created = int(time.time())
+        self._role_sent = False
+
+    def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
+                                "model": self.model_id, "choices": choices}
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    def chunk(self, delta: str) -> dict[str, Any]:
+        if not self.chat:
+            return self._envelope([{"index": 0, "text": delta, "logprobs": None,
+                                    "finish_reason": None}], chunk=True)
+        body: dict[str, Any] = {"content": delta}
+        if not self._role_sent:
+            body["role"] = "assistant"
+            self._role_sent = True
+        return self._envelope([{"index": 0, "delta": body, "logprobs": None,
+                                "finish_reason": None}], chunk=True)
+
+    def needs_first_chunk(self) -> bool:
+        return self.chat and not self._role_sent
+
+    def final_chunk(self, c: Collector) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, c: Collector) -> dict[str, Any]:
+        body = self._envelope([], chunk=True)
+        body["usage"] = c.usage()
+        return body
+
+    def full(self, c: Collector) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                                      "logprobs": None, "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        body = self._envelope([choice], chunk=False)
+        body["usage"] = c.usage()
+        return body

@@ -1,0 +1,303 @@
+"""Why was the worker restarted? The supervisor: spawn, watch, restart, give up.
+
+State machine (values are DESIGN's strings):
+
+    starting ──hello──► ready ──exit / silent / wedged──► restarting ──backoff──► starting
+        │                 │                                   │
+        └─ permanent exit or crash loop ────────────────────► failed (until an operator acts)
+
+External workers are not ours to start or stop: silent → ``down``; a new hello → ``ready``.
+Detection and decision are separate: exits come from the child's ``wait()`` (asyncio's
+child watcher, not a poll) and silence from heartbeat expiry; ``decide()`` alone chooses
+among restart, backoff and failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from common.protocol import ExitCode, Hello
+from router.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+HEALTHY_RESET_S = 60.0          # a worker up this long resets the backoff
+CRASH_LOOP_DEATHS = 5           # deaths after ready within CRASH_LOOP_WINDOW_S → failed
+CRASH_LOOP_WINDOW_S = 60.0
+STARTUP_DEATHS = 3              # consecutive deaths before ever getting ready → failed
+HEARTBEAT_TIMEOUT_S = 3.0       # silent this long → dead (spawned) or down (external)
+STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits → wedged
+MONITOR_INTERVAL_S = 0.25
+STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our worker
+STDERR_TAIL_LINES = 30
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    DOWN = "down"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class ExitRecord:
+    code: int | None
+    signal: str | None
+    reason: str
+    at: float                   # wall clock, for people
+    stderr_tail: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "signal": self.signal, "reason": self.reason,
+                "at": self.at, "stderr_tail": self.stderr_tail[-10:]}
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnSpec:
+    argv: list[str]              # the worker command, minus --incarnation
+    env: dict[str, str]
+
+
+def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        why = "aborted (SIGABRT), as on a Metal out-of-memory" if name == "SIGABRT" else f"killed by {name}"
+        return None, name, why
+    reasons = {ExitCode.OK: "exited", ExitCode.CONFIG_ERROR: "configuration error",
+               ExitCode.LOAD_ERROR: "the model failed to load",
+               ExitCode.NO_MEMORY: "not enough memory for even a minimal request",
+               ExitCode.UNTRUSTED_STATE: "memory error left untrusted state",
+               ExitCode.PROTOCOL_MISMATCH: "protocol version mismatch"}
+    return returncode, None, reasons.get(returncode, f"exited with code {returncode}")
+
+
+class Supervisor:
+    """One worker's life as the router sees it."""
+
+    def __init__(self, dispatcher: Dispatcher, spawn: SpawnSpec | None, metrics: Any,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.dispatcher = dispatcher
+        self.spawn_spec = spawn
+        self.metrics = metrics
+        self.clock = clock
+        self.state = WorkerState.STARTING
+        self.reason = "waiting for the worker to start" if spawn else "waiting for a worker to connect"
+        self.pid: int | None = None
+        self.incarnation: int | None = None
+        self.num_restarts = 0
+        self.last_exit: ExitRecord | None = None
+        self.ready_at: float | None = None
+        self._deaths_after_ready: collections.deque[float] = collections.deque()
+        self._deaths_before_ready = 0
+        self._consecutive = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        dispatcher.hello_listeners.append(self.on_hello)
+        dispatcher.on_shutdown = self.on_worker_shutdown
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._monitor_loop(), name="supervisor-monitor"))
+        if self.spawn_spec is not None:
+            self._tasks.append(asyncio.create_task(self._spawn_loop(), name="supervisor-spawn"))
+
+    async def stop(self) -> None:
+        """Stop the worker we spawned (never an external one), TERM then KILL."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            log.info("[shutdown] stopping worker %d", proc.pid)
+            self.dispatcher.request_shutdown("router shutting down")
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("[shutdown] worker %d did not stop; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def restart_now(self) -> None:
+        """Operator action (SIGHUP, POST /admin/workers/restart): forget the crash history."""
+        log.info("operator asked for a worker restart (state %s)", self.state)
+        self._deaths_after_ready.clear()
+        self._deaths_before_ready = 0
+        self._consecutive = 0
+        if self.state is WorkerState.FAILED:
+            self._set(WorkerState.RESTARTING, "restart requested by an operator")
+        self._kill("restart requested by an operator")
+        self._wake.set()
+
+    # -- events ----------------------------------------------------------------------
+
+    def on_hello(self, hello: Hello) -> None:
+        if self.spawn_spec is not None and hello.incarnation != self.incarnation:
+            log.warning("hello from an unknown incarnation %d ignored", hello.incarnation)
+            return
+        self.incarnation = hello.incarnation
+        self.pid = hello.pid
+        self.ready_at = self.clock()
+        self._deaths_before_ready = 0
+        self._set(WorkerState.READY, "serving")
+
+    def on_worker_shutdown(self, incarnation: int, reason: str) -> None:
+        log.info("worker %d says it is shutting down: %s", incarnation, reason)
+        if self.spawn_spec is None:
+            self._lost(incarnation, f"worker shut down: {reason}", WorkerState.DOWN)
+
+    # -- spawned workers -------------------------------------------------------------
+
+    async def _spawn_loop(self) -> None:
+        assert self.spawn_spec is not None
+        while not self._stopping:
+            if self.state is WorkerState.FAILED:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            returncode = await self._run_once(self.spawn_spec)
+            if self._stopping:
+                return
+            delay = self._after_exit(returncode)
+            if delay is not None:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def _run_once(self, spec: SpawnSpec) -> int:
+        self.incarnation = secrets.randbits(62)
+        self._stderr_tail.clear()
+        self._set(WorkerState.STARTING, "loading the model")
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv, "--incarnation", str(self.incarnation), env=spec.env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        self._proc, self.pid = proc, proc.pid
+        log.info("spawned worker pid %d (incarnation %d)", proc.pid, self.incarnation)
+        relay = asyncio.create_task(self._relay_stderr(proc))
+        returncode = await proc.wait()
+        await asyncio.wait([relay], timeout=1.0)
+        relay.cancel()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        self._proc = None
+        return returncode
+
+    async def _relay_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        """Forward the worker's log to ours and keep its tail for /health."""
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._stderr_tail.append(text)
+            sys.stderr.write(text + "\n")
+
+    def _after_exit(self, returncode: int) -> float | None:
+        code, sig, why = describe_exit(returncode)
+        self.last_exit = ExitRecord(code, sig, why, time.time(), list(self._stderr_tail))
+        blamed = self.dispatcher.worker_lost(self.incarnation or -1, why)
+        self.metrics.worker_exits.labels(cause=sig or str(code)).inc()
+        state, delay = self.decide(returncode, was_ready=self.state is WorkerState.READY,
+                                   blamed_on_quarantine=blamed, now=self.clock())
+        log.warning("worker %s %s; %s", self.pid, why,
+                    f"restarting in {delay:.1f}s" if state is WorkerState.RESTARTING else "giving up")
+        if state is WorkerState.FAILED:
+            self._set(WorkerState.FAILED, f"worker keeps failing: {why}")
+            return None
+        self.num_restarts += 1
+        self.metrics.worker_restarts.inc()
+        self._set(WorkerState.RESTARTING, why)
+        return delay
+
+    def decide(self, returncode: int, *, was_ready: bool, blamed_on_quarantine: bool,
+               now: float) -> tuple[WorkerState, float]:
+        """Restart (with which backoff) or give up. The one place that decides."""
+        if returncode > 0 and returncode in ExitCode.PERMANENT:
+            return WorkerState.FAILED, 0.0
+        if self.ready_at is not None and was_ready and now - self.ready_at >= HEALTHY_RESET_S:
+            self._consecutive = 0
+        if was_ready:
+            if not blamed_on_quarantine:
+                self._deaths_after_ready.append(now)
+            while self._deaths_after_ready and now - self._deaths_after_ready[0] > CRASH_LOOP_WINDOW_S:
+                self._deaths_after_ready.popleft()
+            if len(self._deaths_after_ready) >= CRASH_LOOP_DEATHS:
+                return WorkerState.FAILED, 0.0
+        else:
+            self._deaths_before_ready += 1
+            if self._deaths_before_ready >= STARTUP_DEATHS:
+                return WorkerState.FAILED, 0.0
+        self._consecutive += 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._consecutive - 1))
+        if blamed_on_quarantine:
+            delay = BACKOFF_FIRST_S
+        return WorkerState.RESTARTING, delay
+
+    def _kill(self, why: str) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            log.warning("killing worker %d: %s", proc.pid, why)
+            self._stderr_tail.append(f"[router] SIGKILL: {why}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    # -- liveness --------------------------------------------------------------------
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            self.dispatcher.send_heartbeat()
+            link = self.dispatcher.link
+            if link is None:
+                continue
+            now = self.clock()
+            silent_s = now - link.heartbeat_at
+            stalled_s = now - link.step_changed_at if link.has_work else 0.0
+            if silent_s > HEARTBEAT_TIMEOUT_S:
+                self._unresponsive(link.incarnation, f"silent for {silent_s:.1f}s")
+            elif stalled_s > STALL_TIMEOUT_S:
+                self._unresponsive(link.incarnation, f"engine loop wedged for {stalled_s:.1f}s")
+
+    def _unresponsive(self, incarnation: int, why: str) -> None:
+        if self.spawn_spec is not None:
+            self._kill(why)  # the exit then takes the normal restart path
+        else:
+            self._lost(incarnation, why, WorkerState.DOWN)
+
+    def _lost(self, incarnation: int, why: str, state: WorkerState) -> None:
+        self.last_exit = ExitRecord(None, None, why, time.time())
+        self.dispatcher.worker_lost(incarnation, why)
+        self._set(state, why)
+
+    def _set(self, state: WorkerState, reason: str) -> None:
+        if state is not self.state:
+            log.info("worker state %s → %s: %s", self.state, state, reason)
+        self.state, self.reason = state, reason
+        self.metrics.worker_state.state(state.value)
+
+    def describe(self) -> dict[str, Any]:
+        return {"state": self.state.value, "reason": self.reason, "pid": self.pid,
+                "incarnation": self.incarnation, "restarts": self.num_restarts,
+                "mode": "spawn" if self.spawn_spec else "external",
+                "last_exit": self.last_exit.to_dict() if self.last_exit else None}

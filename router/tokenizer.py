@@ -1,0 +1,415 @@
+"""The model's tokenizer in the router: chat template, token counts, streaming detokenization.
+
+The router tokenizes, as vLLM's and SGLang's front ends do, so that it can count prompt
+tokens exactly and refuse a request before any GPU work. `transformers` is used once, in
+`RouterTokenizer.load`, to read the model folder the way the model's authors configured
+it; every call after that goes straight to the Rust `tokenizers` object, because
+`encode` runs in a thread pool for each request (through a batch call, the one that
+releases the GIL) and detokenization runs on the event loop for every token of every
+stream. Nothing here imports `mlx` or `mlx_lm`.
+
+Chat templates come from the model folder and are untrusted code. They are compiled once,
+in a jinja2 `ImmutableSandboxedEnvironment` with the globals Hugging Face templates expect,
+and any error while rendering one (a `raise_exception(...)` call, a sandbox violation, a
+type error) becomes `BadRequest(param="messages")`. A folder without a chat template gets
+the fallback format ``"{role}: {content}\\n"`` per message followed by ``"assistant:"``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, decoders
+
+from common.errors import BadRequest, ConfigError
+
+__all__ = [
+    "RouterTokenizer",
+    "IncrementalDetokenizer",
+    "ByteLevelDetokenizer",
+    "OffsetDetokenizer",
+    "FALLBACK_GENERATION_PROMPT",
+]
+
+log = logging.getLogger(__name__)
+
+FALLBACK_GENERATION_PROMPT = "assistant:"
+_REPLACEMENT = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class _StrictUnsafeUndefined(jinja2.Undefined):
+    """Lenient like jinja's default Undefined, except for blocked attribute access.
+
+    The sandbox turns ``''.__class__`` into an Undefined that renders as "", so a probing
+    template would pass silently; raising at once makes the attempt a visible 400.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._undefined_exception is SecurityError:
+            raise SecurityError(self._undefined_message)
+
+
+class _GenerationTag(Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (assistant-mask markers) as a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters; chat templates expect plain JSON
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> tuple[jinja2.Template | None, str | None]:
+    """Compile a chat template once; return (template, None) or (None, why it failed)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=_StrictUnsafeUndefined,
+        extensions=[_GenerationTag, loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source), None
+    except jinja2.TemplateError as exc:
+        log.warning("the model's chat template does not compile; chat requests will get 400: %s", exc)
+        return None, f"the model's chat template is invalid: {exc}"
+
+
+class RouterTokenizer:
+    """One model's tokenizer: prompt encoding, chat template and detokenization."""
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        *,
+        chat_template: str | None,
+        template_vars: dict[str, Any],
+        eos_token_ids: list[int],
+    ) -> None:
+        # transformers sets truncation and padding per call; a tokenizer.json may carry its
+        # own, which would silently cut long prompts here
+        backend.no_truncation()
+        backend.no_padding()
+        self._backend = backend
+        # Tokenizer.encode holds the GIL for the whole call, which would stall the event loop
+        # from the thread pool; the batch methods release it (and _fast skips offsets)
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self.eos_token_ids = eos_token_ids
+        self._template_vars = template_vars
+        self._template: jinja2.Template | None = None
+        self._template_error: str | None = None
+        if chat_template is not None:
+            self._template, self._template_error = _compile_template(chat_template)
+        self._special_ids = frozenset(
+            tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
+        )
+        self._byte_table = (
+            _byte_level_table(backend, self._special_ids)
+            if isinstance(backend.decoder, decoders.ByteLevel) else None
+        )
+        self._byte_run_ids = frozenset() if self._byte_table is not None else _byte_fallback_ids(backend)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RouterTokenizer:
+        """Load the tokenizer of a local Hugging Face model folder, offline."""
+        folder = Path(path)
+        if not folder.is_dir():  # else transformers takes the path for a hub repo id
+            raise ConfigError(f"model folder {folder} does not exist", param="model")
+        # Imported here: transformers takes about a second to import and only load needs it
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}", param="model") from exc
+        backend = getattr(hf, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            raise ConfigError(f"{folder} has no fast tokenizer (tokenizer.json)", param="model")
+        template = hf.chat_template
+        if isinstance(template, dict):  # several named templates: the default is the chat one
+            template = template.get("default")
+        template_vars = {k: v for k, v in hf.special_tokens_map.items() if isinstance(v, (str, list))}
+        eos_ids = _read_eos_ids(folder, backend, hf.eos_token)
+        tok = cls(backend, chat_template=template, template_vars=template_vars, eos_token_ids=eos_ids)
+        log.info(
+            "tokenizer loaded from %s: %d tokens, eos %s, chat template %s, detokenizer %s",
+            folder, backend.get_vocab_size(), eos_ids,
+            "none (fallback format)" if template is None else "yes",
+            "byte-level" if tok._byte_table is not None else "offset",
+        )
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None or self._template_error is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, with the special tokens the tokenizer adds (BOS)."""
+        if not isinstance(text, str):
+            raise BadRequest("prompt must be a string", param="prompt")
+        return self._encode_batch([text], add_special_tokens=True)[0].ids
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat rendered with the generation prompt."""
+        if self.has_chat_template:
+            # The template writes BOS itself when the model wants one
+            return self._encode_batch([self.render_chat(messages)], add_special_tokens=False)[0].ids
+        return self.encode(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat as text: the model's template, or the fallback format without one."""
+        chat = _plain_messages(messages)
+        if self._template_error is not None:
+            raise BadRequest(self._template_error, param="messages")
+        if self._template is None:
+            lines = [f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in chat]
+            return "".join(lines) + FALLBACK_GENERATION_PROMPT
+        try:
+            return self._template.render(
+                messages=chat, tools=None, documents=None, add_generation_prompt=True,
+                **self._template_vars,
+            )
+        except Exception as exc:  # untrusted code: any failure is this request's problem
+            log.debug("chat template failed: %r", exc)
+            raise BadRequest(f"chat template error: {exc}", param="messages") from exc
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, without special tokens; the detokenizers' deltas add up to this."""
+        return self._backend.decode(ids, skip_special_tokens=True)
+
+    def make_detokenizer(self) -> IncrementalDetokenizer:
+        """A fresh detokenizer for one stream."""
+        if self._byte_table is not None:
+            return ByteLevelDetokenizer(self._byte_table)
+        return OffsetDetokenizer(
+            self.decode, byte_run_ids=self._byte_run_ids, transparent_ids=self._special_ids,
+            vocab_size=self._backend.get_vocab_size(with_added_tokens=True),
+        )
+
+
+def _plain_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape and drop None values, which templates handle worse than a missing key."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    if not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("each message must be an object", param="messages")
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def _content_text(content: Any) -> str:
+    """Message content as text for the fallback format (a string or a list of text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise BadRequest("message content must be a string or a list of parts", param="messages")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s: %s", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _int_list(value: Any) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _read_eos_ids(folder: Path, backend: Tokenizer, eos_token: str | None) -> list[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, in that order."""
+    found: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        found += _int_list(_read_json(folder / name).get("eos_token_id"))
+    if eos_token and (tid := backend.token_to_id(eos_token)) is not None:
+        found.append(tid)
+    return list(dict.fromkeys(found))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map that ByteLevel tokens are spelled in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return mapping
+
+
+def _byte_level_table(backend: Tokenizer, special_ids: frozenset[int]) -> dict[int, bytes]:
+    """Each decodable id's raw bytes, exactly as the Rust ByteLevel decoder computes them."""
+    char_to_latin1 = {c: chr(b) for b, c in _bytes_to_unicode().items()}
+    alphabet = frozenset(char_to_latin1)
+    to_latin1 = str.maketrans(char_to_latin1)
+    tokens = {tid: tok for tok, tid in backend.get_vocab(with_added_tokens=False).items()}
+    # Added tokens win over the model vocab, as in the Rust decode
+    tokens.update({tid: added.content for tid, added in backend.get_added_tokens_decoder().items()})
+    table: dict[int, bytes] = {}
+    for tid, tok in tokens.items():
+        if tid in special_ids:
+            continue  # skipped by decode(skip_special_tokens=True)
+        if alphabet.issuperset(tok):
+            table[tid] = tok.translate(to_latin1).encode("latin-1")
+        else:  # the decoder keeps a token with any character outside the map verbatim
+            table[tid] = tok.encode("utf-8")
+    return table
+
+
+def _byte_fallback_ids(backend: Tokenizer) -> frozenset[int]:
+    """Ids of SentencePiece byte tokens (<0xE6>) when the decoder merges runs of them."""
+    decoder_json = backend.decoder.__getstate__() if backend.decoder is not None else b""
+    if b"ByteFallback" not in decoder_json:
+        return frozenset()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    return frozenset(tid for tok, tid in vocab.items() if _BYTE_TOKEN.fullmatch(tok))
+
+
+class IncrementalDetokenizer(ABC):
+    """Turns one stream of token ids into text deltas.
+
+    The deltas of every ``add`` plus ``flush()`` concatenate to exactly ``decode(all ids)``,
+    and what has been sent is always a prefix of it: a character is held back until no
+    later token can change it, so a partial multi-byte character is never sent.
+    """
+
+    @abstractmethod
+    def add(self, ids: list[int]) -> str:
+        """Append ids; return the text that became final."""
+
+    @abstractmethod
+    def flush(self) -> str:
+        """End the stream; return what was held back (call once, at the end)."""
+
+
+class ByteLevelDetokenizer(IncrementalDetokenizer):
+    """For byte-level BPE (GPT-2, Llama 3, Qwen): ids → bytes → an incremental UTF-8 decoder.
+
+    The Rust decoder is `String::from_utf8_lossy` over the joined bytes; Python's "replace"
+    handler substitutes the same maximal invalid subparts, and its incremental decoder holds
+    back only an incomplete trailing sequence. O(1) per token, no window at all.
+    """
+
+    __slots__ = ("_bytes_of", "_utf8")
+
+    def __init__(self, token_bytes: dict[int, bytes]) -> None:
+        self._bytes_of = token_bytes.get
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, ids: list[int]) -> str:
+        get = self._bytes_of
+        data = get(ids[0], b"") if len(ids) == 1 else b"".join([get(i, b"") for i in ids])
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class OffsetDetokenizer(IncrementalDetokenizer):
+    """vLLM's prefix_offset/read_offset detokenizer, for any decoder.
+
+    Each step decodes only the window from `prefix_offset`: the tokens since the last
+    emission plus one step of context, so decoders that treat the first token specially
+    (SentencePiece's leading space) see the same context as in a full decode. Text ending
+    in U+FFFD is held back. A run of SentencePiece byte tokens is decoded as a whole (one
+    invalid byte turns the whole run into U+FFFD), so it is held until a non-byte token
+    ends it; ids that decode to nothing (`transparent_ids`, the skipped special tokens, and
+    ids at or above `vocab_size`, as from a padded embedding) do not end a run.
+    """
+
+    __slots__ = ("_decode", "_byte_run_ids", "_transparent_ids", "_vocab_size", "_ids",
+                 "_prefix_offset", "_read_offset", "_prefix_text", "_in_byte_run")
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        *,
+        byte_run_ids: frozenset[int] = frozenset(),
+        transparent_ids: frozenset[int] = frozenset(),
+        vocab_size: int | None = None,
+    ) -> None:
+        self._decode = decode
+        self._byte_run_ids = byte_run_ids
+        self._transparent_ids = transparent_ids
+        self._vocab_size = vocab_size
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""
+        self._in_byte_run = False
+
+    def add(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
+        if self._byte_run_ids:
+            self._track_byte_run(ids)
+            if self._in_byte_run:
+                return ""  # skip the decode too: a long run costs one decode when it ends
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        self._in_byte_run = False
+        return self._advance(final=True)
+
+    def _track_byte_run(self, ids: Iterable[int]) -> None:
+        for tid in ids:
+            if tid in self._byte_run_ids:
+                self._in_byte_run = True
+            elif tid not in self._transparent_ids and (
+                self._vocab_size is None or tid < self._vocab_size
+            ):
+                self._in_byte_run = False
+
+    def _advance(self, *, final: bool) -> str:
+        text = self._decode(self._ids[self._prefix_offset:])
+        if len(text) <= len(self._prefix_text) or (not final and text.endswith(_REPLACEMENT)):
+            return ""
+        delta = text[len(self._prefix_text):]
+        # Keep only the new context window, so the list and each decode stay small
+        del self._ids[:self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta

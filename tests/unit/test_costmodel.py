@@ -1,0 +1,317 @@
+"""Tests for common/costmodel.py: the pure memory math shared by router and worker."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.costmodel import (
+    KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
+    growth_spike_bytes, kv_bytes_per_token, max_request_tokens, never_fits,
+    prefill_transient_bytes, request_cost_bytes, roundup, safe_prefill_chunk,
+)
+
+FAST = settings(max_examples=200, deadline=None)
+
+
+def make_model(**overrides: Any) -> CostModel:
+    values: dict[str, Any] = dict(
+        kv_bytes_per_token=4096, num_layers=4, prefill_a_bytes=2000.0, prefill_c_bytes=2.0,
+        growth_factor=1.0, budget_bytes=256 * 1024 * 1024, context_length=8192,
+        prefill_step_tokens=512, prefill_batch_size=8)
+    values.update(overrides)
+    return CostModel(**values)
+
+
+models = st.builds(
+    CostModel,
+    kv_bytes_per_token=st.integers(1, 1 << 20),
+    num_layers=st.integers(1, 128),
+    # Zero or a plausible fitted coefficient (a subnormal one would overflow int(free / c)).
+    prefill_a_bytes=st.just(0.0) | st.floats(1e-3, 1e6),
+    prefill_c_bytes=st.just(0.0) | st.floats(1e-6, 1e3),
+    growth_factor=st.floats(0, 2),
+    budget_bytes=st.integers(0, 1 << 40),
+    context_length=st.integers(1, 1 << 17),
+    prefill_step_tokens=st.integers(MIN_CHUNK_TOKENS, 4096),
+    prefill_batch_size=st.integers(1, 16),
+)
+
+
+# -- shapes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [
+    (0, 0), (1, 256), (255, 256), (256, 256), (257, 512), (1000, 1024), (-5, 0),
+])
+def test_roundup(tokens: int, expected: int) -> None:
+    assert roundup(tokens) == expected
+
+
+def test_roundup_custom_step() -> None:
+    assert roundup(10, 8) == 16
+    assert roundup(16, 8) == 16
+
+
+@FAST
+@given(tokens=st.integers(0, 10**7), step=st.integers(1, 4096))
+def test_roundup_properties(tokens: int, step: int) -> None:
+    r = roundup(tokens, step)
+    assert r % step == 0 and tokens <= r < tokens + step
+
+
+def test_kv_step_is_mlx_lm_step() -> None:
+    assert KV_STEP_TOKENS == 256
+
+
+def test_kv_bytes_per_token() -> None:
+    # Llama-3-8B-ish: 32 layers, 8 KV heads, head_dim 128, fp16 → 128 KiB per token.
+    assert kv_bytes_per_token(32, 8, 128, 2) == 2 * 32 * 8 * 128 * 2 == 131072
+    assert kv_bytes_per_token(1, 1, 1, 1) == 2
+
+
+def test_cost_model_dict_round_trip() -> None:
+    m = make_model()
+    assert CostModel.from_dict(m.to_dict()) == m
+    assert CostModel.from_dict({**m.to_dict(), "future_coefficient": 3}) == m
+
+
+def test_cost_model_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_model().budget_bytes = 1  # type: ignore[misc]
+
+
+def test_batch_kv_bytes_pads_every_row_to_the_longest() -> None:
+    assert batch_kv_bytes(1, 1, 10) == 256 * 10
+    assert batch_kv_bytes(3, 300, 10) == 3 * 512 * 10
+
+
+def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
+    m = make_model()
+    short, long = 10, 3000
+    padded = batch_cost_bytes(m, 2, long, 0, 0, 0)
+    assert padded == 2 * roundup(long) * m.kv_bytes_per_token + growth_spike_bytes(m, 2, long)
+    unpadded = (batch_kv_bytes(1, short, m.kv_bytes_per_token)
+                + batch_kv_bytes(1, long, m.kv_bytes_per_token))
+    assert padded > unpadded
+
+
+@FAST
+@given(m=models, rows=st.integers(1, 32), longest=st.integers(0, 1 << 17),
+       chunk=st.integers(0, 4096), prefill_rows=st.integers(0, 8), context=st.integers(0, 1 << 17))
+def test_batch_cost_is_the_sum_of_its_parts(m: CostModel, rows: int, longest: int, chunk: int,
+                                           prefill_rows: int, context: int) -> None:
+    assert batch_cost_bytes(m, rows, longest, chunk, prefill_rows, context) == (
+        rows * roundup(longest) * m.kv_bytes_per_token
+        + prefill_transient_bytes(m, chunk, context, prefill_rows)
+        + growth_spike_bytes(m, rows, longest))
+
+
+def test_prefill_transient() -> None:
+    m = make_model(prefill_a_bytes=10.0, prefill_c_bytes=0.5)
+    assert prefill_transient_bytes(m, 100, 1000) == 10 * 100 + 0.5 * 100 * 1000
+    assert prefill_transient_bytes(m, 100, 1000, rows=3) == 3 * (10 * 100 + 0.5 * 100 * 1000)
+    assert prefill_transient_bytes(m, 0, 1000) == 0
+
+
+def test_growth_spike_is_one_layers_old_cache() -> None:
+    m = make_model(kv_bytes_per_token=1000, num_layers=10, growth_factor=1.0)
+    assert growth_spike_bytes(m, 2, 300) == 2 * 512 * 1000 // 10
+    assert growth_spike_bytes(make_model(growth_factor=0.0), 2, 300) == 0
+
+
+def test_request_cost_on_idle_worker() -> None:
+    m = make_model()
+    prompt, out = 1000, 100
+    assert request_cost_bytes(m, prompt, out) == (
+        roundup(prompt + out) * m.kv_bytes_per_token
+        + prefill_transient_bytes(m, m.prefill_step_tokens, prompt)
+        + growth_spike_bytes(m, 1, prompt + out))
+
+
+def test_request_cost_equals_a_batch_of_one() -> None:
+    m = make_model()
+    for prompt, out in [(1, 1), (100, 50), (600, 1000)]:
+        chunk = min(prompt, m.prefill_step_tokens)
+        assert request_cost_bytes(m, prompt, out) == batch_cost_bytes(
+            m, 1, prompt + out, chunk, 1, prompt)
+
+
+@FAST
+@given(m=models, prompt=st.integers(0, 1 << 16), out=st.integers(1, 1 << 16),
+       more=st.integers(0, 1 << 12))
+def test_request_cost_is_monotonic(m: CostModel, prompt: int, out: int, more: int) -> None:
+    base = request_cost_bytes(m, prompt, out)
+    assert request_cost_bytes(m, prompt + more, out) >= base
+    assert request_cost_bytes(m, prompt, out + more) >= base
+
+
+@FAST
+@given(m=models, total=st.integers(2, 1 << 16), split=st.integers(1, 1 << 16))
+def test_all_prompt_is_the_costliest_split(m: CostModel, total: int, split: int) -> None:
+    """max_request_tokens charges total-1 as prompt: no other split may cost more."""
+    out = min(split, total - 1)
+    assert request_cost_bytes(m, total - out, out) <= request_cost_bytes(m, total - 1, 1)
+
+
+# -- fits ever -----------------------------------------------------------------------
+
+
+@FAST
+@given(m=models)
+def test_max_request_tokens_is_the_largest_that_fits(m: CostModel) -> None:
+    limit = max_request_tokens(m)
+    assert 0 <= limit <= m.context_length
+    if limit > 0:
+        assert request_cost_bytes(m, limit - 1, 1) <= m.budget_bytes
+    if limit < m.context_length:
+        assert request_cost_bytes(m, limit, 1) > m.budget_bytes
+
+
+def test_max_request_tokens_capped_by_context() -> None:
+    m = make_model(budget_bytes=1 << 50, context_length=2048)
+    assert max_request_tokens(m) == 2048
+
+
+def test_max_request_tokens_zero_when_nothing_fits() -> None:
+    m = make_model(budget_bytes=0)
+    assert max_request_tokens(m) == 0
+    assert never_fits(m, 0, 1)
+
+
+def test_max_request_tokens_example() -> None:
+    # No transient or spike: exactly budget / (kv per token), rounded down to the KV step.
+    m = make_model(kv_bytes_per_token=1000, prefill_a_bytes=0.0, prefill_c_bytes=0.0,
+                   growth_factor=0.0, budget_bytes=1000 * 1000, context_length=100_000)
+    assert max_request_tokens(m) == 768  # 1024 would need 1,024,000 bytes
+
+
+@FAST
+@given(m=models, data=st.data())
+def test_never_fits_agrees_with_max_request_tokens(m: CostModel, data: st.DataObject) -> None:
+    limit = max_request_tokens(m)
+    if limit >= 1:
+        total = data.draw(st.integers(1, limit))
+        out = data.draw(st.integers(1, total))
+        assert not never_fits(m, total - out, out)
+    if limit < m.context_length:
+        assert never_fits(m, limit, 1)
+
+
+# -- prefill chunk -------------------------------------------------------------------
+
+
+def test_safe_prefill_chunk_plenty_of_room_is_the_static_step() -> None:
+    m = make_model()
+    assert safe_prefill_chunk(m, 1 << 40, 1000) == m.prefill_step_tokens
+
+
+def test_safe_prefill_chunk_floor() -> None:
+    m = make_model()
+    assert safe_prefill_chunk(m, 0, 1000) == MIN_CHUNK_TOKENS
+    assert safe_prefill_chunk(m, -(1 << 30), 1000) == MIN_CHUNK_TOKENS
+
+
+def test_safe_prefill_chunk_fits_free_bytes() -> None:
+    m = make_model(prefill_a_bytes=100.0, prefill_c_bytes=1.0)
+    chunk = safe_prefill_chunk(m, 100 * (100 + 1 * 400), 400)
+    assert chunk == 100
+    assert prefill_transient_bytes(m, chunk, 400) <= 100 * (100 + 400)
+
+
+def test_safe_prefill_chunk_without_coefficients_is_the_step() -> None:
+    m = make_model(prefill_a_bytes=0.0, prefill_c_bytes=0.0)
+    assert safe_prefill_chunk(m, 0, 1000) == m.prefill_step_tokens
+
+
+@pytest.mark.parametrize("step", [16, 24, 31])
+def test_safe_prefill_chunk_never_exceeds_a_small_step(step: int) -> None:
+    """WorkerConfig allows --prefill-step-size down to 16, below MIN_CHUNK_TOKENS (32)."""
+    m = make_model(prefill_step_tokens=step)
+    assert safe_prefill_chunk(m, 1 << 40, 100) <= step
+    assert safe_prefill_chunk(m, 0, 100) <= step
+
+
+@FAST
+@given(m=models, free=st.integers(0, 1 << 40), extra=st.integers(0, 1 << 36),
+       context=st.integers(0, 1 << 17), rows=st.integers(1, 16))
+def test_safe_prefill_chunk_properties(m: CostModel, free: int, extra: int, context: int,
+                                       rows: int) -> None:
+    chunk = safe_prefill_chunk(m, free, context, rows)
+    assert MIN_CHUNK_TOKENS <= chunk <= m.prefill_step_tokens
+    # Less free memory, more rows or a longer context never give a larger chunk.
+    assert safe_prefill_chunk(m, free + extra, context, rows) >= chunk
+    assert safe_prefill_chunk(m, free, context, rows + 1) <= chunk
+    assert safe_prefill_chunk(m, free, context + extra % (1 << 17), rows) <= chunk
+    # Above the floor, the chunk's transient fits in what is free.
+    if chunk > MIN_CHUNK_TOKENS:
+        assert prefill_transient_bytes(m, chunk, max(context, 1), rows) <= free * (1 + 1e-9) + 1
+
+
+# -- fits now ------------------------------------------------------------------------
+
+
+def test_fits_now_idle_worker() -> None:
+    m = make_model()
+    fits, worst = fits_now(m, [], 1000, 100, 0, m.budget_bytes)
+    assert fits
+    assert worst == request_cost_bytes(m, 1000, 100)
+
+
+def test_fits_now_refuses_over_budget_even_with_free_memory() -> None:
+    m = make_model(budget_bytes=16 * 1024 * 1024)
+    limit = max_request_tokens(m)
+    assert limit < m.context_length
+    fits, worst = fits_now(m, [], limit, 1, 0, 1 << 50)
+    assert not fits and worst > m.budget_bytes
+
+
+def test_fits_now_free_bytes_limits_the_increment() -> None:
+    m = make_model()
+    running = [2000, 500]
+    old = batch_cost_bytes(m, 2, 2000, 0, 0, 0)
+    _, new = fits_now(m, running, 100, 100, 0, 1 << 50)
+    increment = new - old
+    assert fits_now(m, running, 100, 100, 0, increment) == (True, new)
+    assert fits_now(m, running, 100, 100, 0, increment - 1) == (False, new)
+
+
+def test_fits_now_pads_a_short_request_to_the_longest_running() -> None:
+    m = make_model()
+    _, worst = fits_now(m, [3000], 10, 10, 0, 1 << 50)
+    chunk = 10
+    assert worst == batch_cost_bytes(m, 2, 3000, chunk, 1, 10)
+    assert worst >= 2 * roundup(3000) * m.kv_bytes_per_token
+
+
+def test_fits_now_may_hold_a_short_request_back_beside_a_long_one() -> None:
+    # Room for the long row alone and for two short rows, but not a short row padded long.
+    m = make_model(prefill_a_bytes=0.0, prefill_c_bytes=0.0, growth_factor=0.0,
+                   kv_bytes_per_token=1000, budget_bytes=1000 * (4096 + 1024))
+    assert fits_now(m, [256], 100, 100, 0, 1 << 50)[0]
+    assert not fits_now(m, [4096], 100, 100, 0, 1 << 50)[0]
+
+
+def test_fits_now_counts_prefilling_rows() -> None:
+    m = make_model()
+    _, one = fits_now(m, [], 1000, 10, 0, 1 << 50)
+    _, three = fits_now(m, [], 1000, 10, 2, 1 << 50)
+    assert three - one == 2 * prefill_transient_bytes(m, m.prefill_step_tokens, 1000)
+
+
+@FAST
+@given(m=models, running=st.lists(st.integers(1, 1 << 15), max_size=8),
+       prompt=st.integers(0, 1 << 15), out=st.integers(1, 1 << 12),
+       prefill_rows=st.integers(0, 4), free=st.integers(-(1 << 30), 1 << 42))
+def test_fits_now_is_consistent(m: CostModel, running: list[int], prompt: int, out: int,
+                                prefill_rows: int, free: int) -> None:
+    fits, worst = fits_now(m, running, prompt, out, prefill_rows, free)
+    old = batch_cost_bytes(m, len(running), max(running), 0, 0, 0) if running else 0
+    assert fits == (worst <= m.budget_bytes and worst - old <= free)
+    assert worst >= old
+    if not running and prefill_rows == 0 and prompt >= 1:
+        assert worst == request_cost_bytes(m, prompt, out)

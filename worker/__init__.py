@@ -1,0 +1,1 @@
+"""mlx-worker: the one process that owns the model and the Metal memory."""

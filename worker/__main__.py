@@ -1,0 +1,66 @@
+"""main() behind the mlx-worker script: load config, load the model, serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.config import WorkerConfig, env_snapshot, load
+from common.errors import ConfigError
+from common.log import setup_logging
+from common.protocol import ExitCode
+
+log = logging.getLogger("worker")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = env_snapshot()
+    try:
+        cfg = load(WorkerConfig, sys.argv[1:] if argv is None else argv, env, prog="mlx-worker")
+    except ConfigError as exc:
+        print(f"mlx-worker: {exc.message}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker")
+    incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
+
+    from worker.loader import LoadError, load_model  # imports mlx: after config is good
+
+    try:
+        loaded = load_model(cfg.model, env)
+    except LoadError as exc:
+        log.error("model failed to load: %s", exc)
+        return ExitCode.LOAD_ERROR
+
+    from worker.boot import build_server, NotEnoughMemory
+
+    try:
+        server = build_server(cfg, loaded, incarnation)
+    except NotEnoughMemory as exc:
+        log.error("%s", exc)
+        return ExitCode.NO_MEMORY
+    if cfg.parent_pipe:
+        _watch_parent(server.on_parent_gone)
+    return server.run()
+
+
+def _watch_parent(on_gone: object) -> None:
+    """A spawned worker exits when its router's pipe closes: no orphan keeps the memory."""
+
+    def watch() -> None:
+        try:
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+        except OSError:
+            pass
+        on_gone()  # type: ignore[operator]
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

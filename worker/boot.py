@@ -1,0 +1,104 @@
+"""Compose a worker: probe memory, size the cost model, build the engine and the server."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from common import costmodel
+from common.config import WorkerConfig
+from common.protocol import Hello
+from common.version import __version__
+from worker.engine import Engine
+from worker.loader import LoadedModel, context_length
+from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
+from worker.server import ServerOptions, WorkerServer
+
+log = logging.getLogger(__name__)
+
+# Prompts prefilled together (mlx-lm's default).
+PREFILL_BATCH_SIZE = 8
+
+
+class NotEnoughMemory(RuntimeError):
+    """Even a minimal request cannot be served. Will fail again: not worth restarting."""
+
+
+def model_shape(loaded: LoadedModel) -> ModelShape:
+    cfg = loaded.config.get("text_config", loaded.config)
+    params = tree_flatten(loaded.model.parameters())
+    weights = sum(v.nbytes for _, v in params)
+    heads = int(cfg.get("num_attention_heads", 1))
+    hidden = int(cfg.get("hidden_size", 0))
+    head_dim = int(cfg.get("head_dim") or (hidden // max(heads, 1)))
+    dtype_bytes = max((v.dtype.size for _, v in params if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
+                      default=2)
+    return ModelShape(
+        num_layers=int(cfg.get("num_hidden_layers", len(getattr(loaded.model, "layers", [])) or 1)),
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        num_heads=heads,
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
+        vocab_size=int(cfg.get("vocab_size", 0)),
+        dtype_bytes=dtype_bytes,
+        context_length=context_length(loaded.config),
+        weights_bytes=weights,
+    )
+
+
+def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
+    if cfg.oom_guard is not None:
+        return cfg.oom_guard
+    return "abort" if device != "metal" and cfg.memory_limit_mb is not None else "off"
+
+
+def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int) -> WorkerServer:
+    probe = MlxProbe(cfg.memory_limit_mb)
+    shape = model_shape(loaded)
+    active = probe.read().active_bytes
+    baseline = max(0, active - shape.weights_bytes)
+    model = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
+                              prefill_step_tokens=cfg.prefill_step_size,
+                              prefill_batch_size=PREFILL_BATCH_SIZE)
+    max_tokens = costmodel.max_request_tokens(model)
+    if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
+        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
+    memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
+                         baseline_bytes=baseline)
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
+                    prefill_step_size=cfg.prefill_step_size,
+                    prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
+    max_running = cfg.max_running_requests or cfg.max_batch_size
+    admission = not cfg.unsafe_no_admission
+    hello = Hello(
+        incarnation=incarnation, pid=os.getpid(), package_version=__version__,
+        model_id=loaded.model_id, fingerprint=loaded.fingerprint,
+        context_length=shape.context_length, tokenizer_path=str(loaded.path),
+        eos_token_ids=sorted(loaded.tokenizer.eos_token_ids), admission=admission,
+        cost_model=model.to_dict(),
+    )
+    opts = ServerOptions(router_addr=cfg.router, incarnation=incarnation,
+                         oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
+                         max_running=max_running, vocab_size=shape.vocab_size,
+                         wedge_after_steps=cfg.test_wedge_after_steps)
+    log.info("device %s, limit %d MiB, weights %d MiB, budget %d MiB, KV %d B/token, "
+             "max request %d tokens, oom guard %s, admission %s",
+             probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
+             model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
+             "on" if admission else "OFF")
+    return WorkerServer(opts, engine, memory, hello)
+
+
+def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:
+    mib = 1 << 20
+    return (
+        f"not enough memory to serve even a {costmodel.MIN_REQUEST_TOKENS}-token request: "
+        f"limit {limit} B ({limit // mib} MiB), weights {shape.weights_bytes} B "
+        f"({shape.weights_bytes // mib} MiB), KV {model.kv_bytes_per_token} B/token, "
+        f"budget left {model.budget_bytes} B. Remedy: raise --memory-limit-mb, close other "
+        f"apps, or use a smaller or more quantized model.")

@@ -1,0 +1,149 @@
+"""The engine: continuous batching on mlx-lm's BatchGenerator. Knows nothing of sockets.
+
+``add`` inserts a request, ``cancel`` removes it (its row is freed at once), ``step`` runs
+one ``BatchGenerator.next()`` and returns every request's new tokens. The generator's
+chunk and batch sizes are plain attributes we set between steps; ``tests/`` pins the
+private surface we rely on (``prefill_step_size``, ``prefill_batch_size``,
+``completion_batch_size``, ``insert(..., samplers=, stop_sequences=)``, ``remove``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import apply_top_p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Running:
+    """One request inside the generator."""
+
+    request_id: str
+    uid: int
+    prompt_tokens: int
+    max_tokens: int
+    generated: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """New tokens for one request after one step; ``finish_reason`` None means more follow."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
+    """Per-request sampler; None means the generator's shared greedy sampler.
+
+    A seeded request carries its own PRNG key, split once per step, so its tokens do not
+    depend on what else is in the batch or on the global random state.
+    """
+    if temperature <= 0:
+        return None
+    inv_temp = 1.0 / temperature
+    key = [mx.random.key(seed)] if seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0.0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if key is None:
+            return mx.random.categorical(logprobs * inv_temp)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+class Engine:
+    """Wraps BatchGenerator: insert, cancel, step → outputs."""
+
+    def __init__(self, model: Any, eos_token_ids: list[int], *, prefill_step_size: int,
+                 prefill_batch_size: int, max_batch_size: int) -> None:
+        self._eos = StopSequences([[e] for e in eos_token_ids] or None)
+        self._no_eos = StopSequences(None)
+        self.generator = BatchGenerator(
+            model,
+            stop_tokens=[[e] for e in eos_token_ids],
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        self.running: dict[str, Running] = {}
+        self._by_uid: dict[int, Running] = {}
+        self.num_steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def set_prefill_step(self, tokens: int) -> None:
+        """Read by the generator at every step, so a change applies to the next chunk."""
+        self.generator.prefill_step_size = tokens
+
+    def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
+            temperature: float, top_p: float, seed: int | None, ignore_eos: bool) -> None:
+        (uid,) = self.generator.insert(
+            [prompt_ids],
+            max_tokens=[max_tokens],
+            samplers=[make_sampler(temperature, top_p, seed)],
+            stop_sequences=[self._no_eos if ignore_eos else self._eos],
+        )
+        run = Running(request_id, uid, len(prompt_ids), max_tokens)
+        self.running[request_id] = run
+        self._by_uid[uid] = run
+
+    def cancel(self, request_id: str) -> bool:
+        run = self.running.pop(request_id, None)
+        if run is None:
+            return False
+        del self._by_uid[run.uid]
+        self.generator.remove([run.uid])
+        return True
+
+    def cancel_all(self) -> list[str]:
+        ids = list(self.running)
+        for request_id in ids:
+            self.cancel(request_id)
+        return ids
+
+    def step(self) -> list[Output]:
+        """One engine step: a decode for the running batch and at most one prefill chunk."""
+        _, responses = self.generator.next()
+        self.num_steps += 1
+        outputs: list[Output] = []
+        for r in responses:
+            # A finished response holds its prompt cache, which pins the whole batch's
+            # cache buffers; drop it at once.
+            r.prompt_cache = None
+            run = self._by_uid.get(r.uid)
+            if run is None:
+                continue
+            run.generated += 1
+            # The EOS token ends the stream but is not part of the text.
+            ids = [] if r.finish_reason == "stop" else [r.token]
+            if r.finish_reason is not None:
+                del self._by_uid[r.uid]
+                del self.running[run.request_id]
+            outputs.append(Output(run.request_id, ids, r.finish_reason))
+        return outputs
+
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is not yet fully processed (private generator state)."""
+        g = self.generator
+        return len(g._prompt_batch) + len(g._unprocessed_sequences)
+
+    def totals(self) -> list[int]:
+        """prompt + max_tokens of every running request: the batch's padded shape."""
+        return [r.total_tokens for r in self.running.values()]

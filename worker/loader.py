@@ -1,0 +1,82 @@
+"""Find and load the model: `demo` (built locally), a local folder, or a repo id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# When a config names no context length, assume this (the common llama-family default).
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+class LoadError(RuntimeError):
+    """The model could not be found or loaded. Will fail again: not worth restarting."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any            # mlx-lm's TokenizerWrapper
+    path: Path
+    model_id: str
+    config: dict[str, Any]
+    fingerprint: str
+
+
+def resolve_path(model: str, env: Mapping[str, str]) -> Path:
+    """demo → the cached demo folder; a folder → itself; else a repo id via mlx-lm."""
+    if model == "demo":
+        from worker.demo import default_cache_root, ensure_demo_model
+
+        return ensure_demo_model(default_cache_root(env))
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise LoadError(f"{path} is not an mlx-lm model folder (no config.json)")
+        return path
+    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        raise LoadError(f"model path {model} does not exist")
+    try:
+        from mlx_lm.utils import _download
+
+        return Path(_download(model))
+    except Exception as exc:
+        raise LoadError(
+            f"could not fetch {model!r} (no network or no such repo?): {exc}; "
+            "download it once with network access, or pass a local folder") from None
+
+
+def fingerprint(path: Path) -> str:
+    """Identity of the weights without reading them: config plus weight file names and sizes."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_model(model: str, env: Mapping[str, str]) -> LoadedModel:
+    path = resolve_path(model, env)
+    try:
+        import mlx_lm
+
+        loaded, tokenizer = mlx_lm.load(str(path))
+    except Exception as exc:
+        raise LoadError(f"mlx-lm could not load {path}: {exc}") from None
+    config = json.loads((path / "config.json").read_text())
+    log.info("loaded %s from %s", model, path)
+    return LoadedModel(loaded, tokenizer, path, model, config, fingerprint(path))
+
+
+def context_length(config: dict[str, Any]) -> int:
+    text = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        if isinstance(text.get(key), int) and text[key] > 0:
+            return int(text[key])
+    return DEFAULT_CONTEXT_LENGTH

@@ -1,0 +1,251 @@
+"""Memory: the device probe (metal | cpu | fake), the static cost model, the Status report.
+
+Used = active + cache (and on macOS no less than the process's phys_footprint, because
+MLX's counters can undercount it). Headroom = max(0, min(limit − used, system available)).
+Readings are cheap counters; the one syscall (system available memory) is rate-limited so
+a reading never stalls the engine loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import psutil
+
+from common.costmodel import CostModel, max_request_tokens
+
+log = logging.getLogger(__name__)
+
+# Without --memory-limit-mb on a CPU box, use this share of RAM: the OS and other apps
+# need the rest, and Metal's own recommendation is in the same range (~65-75 %).
+CPU_DEFAULT_LIMIT_FRACTION = 0.6
+# Reserve this share of the limit (at least MIN_MARGIN_BYTES) for what we do not model.
+MARGIN_FRACTION = 0.05
+MIN_MARGIN_BYTES = 16 * 1024 * 1024
+# System-available memory is re-read at most this often (it is a syscall).
+SYSTEM_READ_INTERVAL_S = 0.25
+
+
+@dataclass(slots=True)
+class Reading:
+    active_bytes: int
+    cache_bytes: int
+    peak_bytes: int
+    footprint_bytes: int
+    system_available_bytes: int
+
+    @property
+    def used_bytes(self) -> int:
+        return max(self.active_bytes + self.cache_bytes, self.footprint_bytes)
+
+
+class DeviceProbe(Protocol):
+    device: str
+    limit_bytes: int
+
+    def read(self) -> Reading: ...
+    def clear_cache(self) -> None: ...
+    def reset_peak(self) -> None: ...
+
+
+class MlxProbe:
+    """Live readings from MLX's allocator, for Metal or the CPU backend."""
+
+    def __init__(self, memory_limit_mb: int | None) -> None:
+        import mlx.core as mx
+
+        self._mx = mx
+        self.device = "metal" if mx.metal.is_available() else "cpu"
+        total = psutil.virtual_memory().total
+        if self.device == "metal":
+            info = mx.device_info()
+            device_limit = int(info.get("max_recommended_working_set_size", total))
+        else:
+            device_limit = int(total * CPU_DEFAULT_LIMIT_FRACTION)
+        self.limit_bytes = min(device_limit, memory_limit_mb * 2**20) if memory_limit_mb else device_limit
+        if self.device == "cpu":
+            # On CPU the limit is only advisory; raising the cache limit to it makes the
+            # buffer cache behave as on Metal, so the cache paths are exercised here too.
+            mx.set_cache_limit(self.limit_bytes)
+        self._footprint = _phys_footprint_reader() if sys.platform == "darwin" else None
+        self._system_available = psutil.virtual_memory().available
+        self._system_read_at = time.monotonic()
+        self._peak_bytes = 0
+
+    def read(self) -> Reading:
+        mx = self._mx
+        now = time.monotonic()
+        if now - self._system_read_at >= SYSTEM_READ_INTERVAL_S:
+            self._system_available = psutil.virtual_memory().available
+            self._system_read_at = now
+        active, cache = mx.get_active_memory(), mx.get_cache_memory()
+        self._peak_bytes = max(self._peak_bytes, mx.get_peak_memory())
+        return Reading(
+            active_bytes=active,
+            cache_bytes=cache,
+            peak_bytes=self._peak_bytes,
+            footprint_bytes=self._footprint() if self._footprint else 0,
+            system_available_bytes=self._system_available,
+        )
+
+    def step_peak(self) -> int:
+        """Peak of MLX's allocator since the last reset_peak()."""
+        peak = self._mx.get_peak_memory()
+        self._peak_bytes = max(self._peak_bytes, peak)
+        return peak
+
+    def clear_cache(self) -> None:
+        self._mx.clear_cache()
+
+    def reset_peak(self) -> None:
+        self._mx.reset_peak_memory()
+
+
+@dataclass(slots=True)
+class FakeProbe:
+    """Scripted readings for tests of the memory logic (no MLX)."""
+
+    device: str = "fake"
+    limit_bytes: int = 1 << 30
+    active_bytes: int = 0
+    cache_bytes: int = 0
+    system_available_bytes: int = 1 << 40
+    peak_bytes: int = 0
+    cleared: int = 0
+
+    def read(self) -> Reading:
+        self.peak_bytes = max(self.peak_bytes, self.active_bytes + self.cache_bytes)
+        return Reading(self.active_bytes, self.cache_bytes, self.peak_bytes, 0,
+                       self.system_available_bytes)
+
+    def step_peak(self) -> int:
+        return self.active_bytes + self.cache_bytes
+
+    def clear_cache(self) -> None:
+        self.cleared += 1
+        self.cache_bytes = 0
+
+    def reset_peak(self) -> None:
+        pass
+
+
+def _phys_footprint_reader() -> Any:
+    """macOS: proc_pid_rusage(RUSAGE_INFO_V2).ri_phys_footprint, what Activity Monitor shows."""
+    libc_path = ctypes.util.find_library("c")
+    if not libc_path:
+        return None
+    libc = ctypes.CDLL(libc_path)
+    pid = ctypes.c_int(psutil.Process().pid)
+
+    class RUsageInfoV2(ctypes.Structure):
+        _fields_ = [("uuid", ctypes.c_uint8 * 16)] + [
+            (name, ctypes.c_uint64) for name in (
+                "user_time", "system_time", "pkg_idle_wkups", "interrupt_wkups", "pageins",
+                "wired_size", "resident_size", "phys_footprint", "proc_start_abstime",
+                "proc_exit_abstime", "child_user_time", "child_system_time",
+                "child_pkg_idle_wkups", "child_interrupt_wkups", "child_pageins",
+                "child_elapsed_abstime", "diskio_bytesread", "diskio_byteswritten")]
+
+    def read() -> int:
+        info = RUsageInfoV2()
+        if libc.proc_pid_rusage(pid, 2, ctypes.byref(info)) != 0:
+            return 0
+        return int(info.phys_footprint)
+
+    return read
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the cost model needs to know of a loaded model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    context_length: int
+    weights_bytes: int
+
+
+def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: int,
+                      prefill_step_tokens: int, prefill_batch_size: int) -> CostModel:
+    """The cost model before calibration: sizes from the model's shape alone."""
+    from common.costmodel import kv_bytes_per_token
+
+    act = 4  # activations are float32 on CPU and for softmax on any device
+    # Per chunk token: residual stream and norms (~6·hidden), q/k/v/o (~4·heads·head_dim),
+    # the MLP's three projections, and the logits row mlx-lm computes for every position.
+    prefill_a = act * (6 * shape.hidden_size + 4 * shape.num_heads * shape.head_dim
+                       + 3 * shape.intermediate_size + shape.vocab_size)
+    # Per chunk token per context token: attention scores and their softmax copy.
+    prefill_c = 2 * act * shape.num_heads
+    margin = max(int(limit_bytes * MARGIN_FRACTION), MIN_MARGIN_BYTES)
+    budget = limit_bytes - shape.weights_bytes - baseline_bytes - margin
+    return CostModel(
+        kv_bytes_per_token=kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
+                                              shape.head_dim, shape.dtype_bytes),
+        num_layers=shape.num_layers,
+        prefill_a_bytes=float(prefill_a),
+        prefill_c_bytes=float(prefill_c),
+        budget_bytes=max(budget, 0),
+        context_length=shape.context_length,
+        prefill_step_tokens=prefill_step_tokens,
+        prefill_batch_size=prefill_batch_size,
+    )
+
+
+@dataclass(slots=True)
+class MemoryState:
+    """Facts learned at run time: the live reading, what is reserved, the worst ratio."""
+
+    probe: Any
+    model: CostModel
+    weights_bytes: int
+    baseline_bytes: int
+    reserved_bytes: int = 0
+    worst_measured_over_predicted: float = 0.0
+    last: Reading | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def refresh(self) -> Reading:
+        self.last = self.probe.read()
+        return self.last
+
+    def headroom_bytes(self) -> int:
+        r = self.last or self.refresh()
+        return max(0, min(self.probe.limit_bytes - r.used_bytes, r.system_available_bytes))
+
+    def report(self, *, running: int, max_running: int) -> dict[str, Any]:
+        """The Status report: DESIGN's /v1/memory fields, plus the cost model."""
+        r = self.refresh()
+        return {
+            "device": self.probe.device,
+            "limit_bytes": self.probe.limit_bytes,
+            "budget_bytes": self.model.budget_bytes,
+            "active_bytes": r.active_bytes,
+            "cache_bytes": r.cache_bytes,
+            "peak_bytes": r.peak_bytes,
+            "headroom_bytes": self.headroom_bytes(),
+            "reserved_bytes": self.reserved_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes_per_token": self.model.kv_bytes_per_token,
+            "safe_prefill_chunk": self.model.prefill_step_tokens,
+            "max_running_requests": max_running,
+            "context_length": self.model.context_length,
+            "max_request_tokens": max_request_tokens(self.model),
+            "running": running,
+            "system_available_bytes": r.system_available_bytes,
+            "worst_measured_over_predicted": round(self.worst_measured_over_predicted, 4),
+            "reported_at": time.time(),
+            "cost_model": self.model.to_dict(),
+        }
