@@ -1,0 +1,180 @@
+"""Tests for router/admission.py: "fits ever?" (the 400s) and "fits now?" (dispatch or queue)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import costmodel
+from common.costmodel import CostModel
+from common.errors import BadRequest, ContextLengthExceeded, InsufficientMemory
+from router.admission import (
+    STALE_REPORT_S, Verdict, WorkerView, can_dispatch, check_ever, check_max_tokens_only,
+)
+
+FAST = settings(max_examples=200, deadline=None)
+
+
+def make_model(**overrides: Any) -> CostModel:
+    values: dict[str, Any] = dict(
+        kv_bytes_per_token=1000, num_layers=4, prefill_a_bytes=100.0, prefill_c_bytes=0.1,
+        growth_factor=1.0, budget_bytes=8_000_000, context_length=32768,
+        prefill_step_tokens=512, prefill_batch_size=8)
+    values.update(overrides)
+    return CostModel(**values)
+
+
+def make_view(model: CostModel | None = None, **overrides: Any) -> WorkerView:
+    values: dict[str, Any] = dict(model=model or make_model(), admission=True, max_running=8,
+                                  report_age_s=0.1, held=False)
+    values.update(overrides)
+    return WorkerView(**values)
+
+
+# -- check_ever ----------------------------------------------------------------------
+
+
+def test_fits() -> None:
+    assert check_ever(make_model(), True, 100, 100) is None
+
+
+def test_context_length_exceeded() -> None:
+    m = make_model(context_length=1000)
+    err = check_ever(m, True, 900, 101)
+    assert isinstance(err, ContextLengthExceeded)
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert "1000" in err.message
+    assert not isinstance(check_ever(m, True, 900, 100), ContextLengthExceeded)
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "param"), [
+    (2000, 10, "messages"), (10, 2000, "max_tokens"),
+])
+def test_context_length_names_the_larger_part(prompt: int, max_tokens: int, param: str) -> None:
+    err = check_ever(make_model(context_length=1000), False, prompt, max_tokens)
+    assert isinstance(err, ContextLengthExceeded) and err.param == param
+
+
+def test_insufficient_memory_carries_numbers() -> None:
+    m = make_model()
+    limit = costmodel.max_request_tokens(m)
+    assert limit < m.context_length
+    err = check_ever(m, True, limit, 100)
+    assert isinstance(err, InsufficientMemory)
+    assert err.status == 400 and err.code == "insufficient_memory" and err.param == "max_tokens"
+    assert err.extra["max_request_tokens"] == limit
+    assert err.extra["needed_bytes"] == costmodel.request_cost_bytes(m, limit, 100)
+    assert err.extra["needed_bytes"] > m.budget_bytes
+    body = err.to_body()["error"]
+    assert body["needed_bytes"] == err.extra["needed_bytes"]
+    assert body["max_request_tokens"] == limit
+
+
+def test_context_checked_before_memory() -> None:
+    m = make_model(context_length=1000, budget_bytes=0)
+    assert isinstance(check_ever(m, True, 1000, 1), ContextLengthExceeded)
+
+
+def test_admission_off_skips_the_memory_check() -> None:
+    m = make_model(budget_bytes=0)
+    assert isinstance(check_ever(m, True, 10, 10), InsufficientMemory)
+    assert check_ever(m, False, 10, 10) is None
+    assert isinstance(check_ever(make_model(context_length=100), False, 90, 11),
+                      ContextLengthExceeded)
+
+
+def test_check_max_tokens_only() -> None:
+    m = make_model(context_length=1000)
+    assert check_max_tokens_only(m, True, 999) is None
+    assert isinstance(check_max_tokens_only(m, True, 1000), ContextLengthExceeded)
+    assert isinstance(check_max_tokens_only(make_model(budget_bytes=0), True, 1), InsufficientMemory)
+
+
+@FAST
+@given(prompt=st.integers(0, 40000), max_tokens=st.integers(1, 40000),
+       budget=st.integers(0, 50_000_000))
+def test_check_ever_matches_the_cost_model(prompt: int, max_tokens: int, budget: int) -> None:
+    m = make_model(budget_bytes=budget)
+    err = check_ever(m, True, prompt, max_tokens)
+    if prompt + max_tokens > m.context_length:
+        assert isinstance(err, ContextLengthExceeded)
+    elif costmodel.never_fits(m, prompt, max_tokens):
+        assert isinstance(err, InsufficientMemory)
+        assert err.extra["max_request_tokens"] < prompt + max_tokens
+    else:
+        assert err is None
+    assert err is None or isinstance(err, BadRequest)
+
+
+# -- can_dispatch --------------------------------------------------------------------
+
+
+def test_idle_fresh_worker_dispatches() -> None:
+    assert can_dispatch(make_view(), [], 100, 100) is Verdict.DISPATCH
+
+
+def test_stale_report_queues() -> None:
+    assert can_dispatch(make_view(report_age_s=STALE_REPORT_S + 0.01), [], 1, 1) is Verdict.QUEUE
+    assert can_dispatch(make_view(report_age_s=STALE_REPORT_S), [], 1, 1) is Verdict.DISPATCH
+
+
+def test_stale_report_queues_even_without_admission() -> None:
+    view = make_view(admission=False, report_age_s=STALE_REPORT_S * 10)
+    assert can_dispatch(view, [], 1, 1) is Verdict.QUEUE
+
+
+def test_held_queues() -> None:
+    assert can_dispatch(make_view(held=True), [], 1, 1) is Verdict.QUEUE
+    assert can_dispatch(make_view(held=True, admission=False), [], 1, 1) is Verdict.QUEUE
+
+
+def test_running_cap() -> None:
+    view = make_view(max_running=2)
+    assert can_dispatch(view, [10], 1, 1) is Verdict.DISPATCH
+    assert can_dispatch(view, [10, 10], 1, 1) is Verdict.QUEUE
+    assert can_dispatch(dataclasses.replace(view, admission=False), [10, 10], 1, 1) is Verdict.QUEUE
+
+
+def test_budget() -> None:
+    m = make_model()
+    limit = costmodel.max_request_tokens(m)
+    assert can_dispatch(make_view(m), [], limit - 1, 1) is Verdict.DISPATCH
+    assert can_dispatch(make_view(m), [], limit, 1) is Verdict.QUEUE
+
+
+def test_short_request_held_back_beside_a_long_one() -> None:
+    m = make_model(prefill_a_bytes=0.0, prefill_c_bytes=0.0, growth_factor=0.0,
+                   budget_bytes=1000 * (4096 + 1024))
+    view = make_view(m)
+    assert can_dispatch(view, [200], 100, 100) is Verdict.DISPATCH
+    assert can_dispatch(view, [4000], 100, 100) is Verdict.QUEUE
+
+
+def test_admission_off_ignores_the_budget() -> None:
+    view = make_view(make_model(budget_bytes=0), admission=False)
+    assert can_dispatch(view, [], 1000, 1000) is Verdict.DISPATCH
+
+
+@FAST
+@given(prompt=st.integers(1, 40000), max_tokens=st.integers(1, 40000),
+       budget=st.integers(0, 50_000_000))
+def test_what_fits_ever_dispatches_on_an_idle_worker(prompt: int, max_tokens: int,
+                                                     budget: int) -> None:
+    """Otherwise a request that passed check_ever would wait in the queue forever."""
+    m = make_model(budget_bytes=budget)
+    if check_ever(m, True, prompt, max_tokens) is None:
+        assert can_dispatch(make_view(m), [], prompt, max_tokens) is Verdict.DISPATCH
+
+
+@FAST
+@given(running=st.lists(st.integers(1, 20000), max_size=6), prompt=st.integers(1, 20000),
+       max_tokens=st.integers(1, 5000), more=st.integers(1, 5000))
+def test_more_in_flight_never_turns_queue_into_dispatch(running: list[int], prompt: int,
+                                                        max_tokens: int, more: int) -> None:
+    view = make_view(max_running=100)
+    if can_dispatch(view, running, prompt, max_tokens) is Verdict.QUEUE:
+        assert can_dispatch(view, running + [more], prompt, max_tokens) is Verdict.QUEUE

@@ -1,0 +1,339 @@
+"""Tests for router/schema.py: every validation rule raises BadRequest naming its param."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import BadRequest
+from router.job import Sampling
+from router.schema import MAX_STOPS, NEUTRAL, parse_chat, parse_completion
+
+DEFAULT_MAX = 512
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "x", "messages": USER, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "x", "prompt": "hi", **fields}
+
+
+def refused(parse: Any, body: Any) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        parse(body, DEFAULT_MAX)
+    err = info.value
+    assert err.status == 400 and err.code == "invalid_request"
+    return err
+
+
+BOTH = pytest.mark.parametrize(("parse", "make"), [(parse_chat, chat), (parse_completion, completion)],
+                               ids=["chat", "completion"])
+
+
+# -- body and prompt -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [None, [], "text", 1, True, [{"prompt": "x"}]])
+@pytest.mark.parametrize("parse", [parse_chat, parse_completion])
+def test_body_must_be_an_object(parse: Any, body: Any) -> None:
+    assert refused(parse, body).param is None
+
+
+def test_completion_defaults() -> None:
+    parsed = parse_completion({"prompt": "hello"}, DEFAULT_MAX)
+    assert parsed.kind == "completion"
+    assert parsed.prompt_text == "hello" and parsed.prompt_ids is None and parsed.messages is None
+    assert parsed.sampling == Sampling(max_tokens=DEFAULT_MAX, temperature=1.0, top_p=1.0,
+                                       seed=None, ignore_eos=False)
+    assert parsed.stream is False and parsed.include_usage is False
+    assert parsed.stop == [] and parsed.model == ""
+
+
+def test_chat_defaults() -> None:
+    parsed = parse_chat({"messages": USER}, 7)
+    assert parsed.kind == "chat"
+    assert parsed.messages == [{"role": "user", "content": "hi"}]
+    assert parsed.sampling.max_tokens == 7
+    assert parsed.prompt_text is None and parsed.prompt_ids is None
+
+
+def test_model_is_echoed() -> None:
+    assert parse_chat(chat(model="gpt-4o"), DEFAULT_MAX).model == "gpt-4o"
+
+
+@BOTH
+@pytest.mark.parametrize("model", [1, ["a"], {"a": 1}, True])
+def test_model_must_be_a_string(parse: Any, make: Any, model: Any) -> None:
+    assert refused(parse, make(model=model)).param == "model"
+
+
+@pytest.mark.parametrize(("prompt", "text", "ids"), [
+    ("abc", "abc", None),
+    ([1, 2, 3], None, [1, 2, 3]),
+    (["abc"], "abc", None),
+    ([[4, 5]], None, [4, 5]),
+])
+def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> None:
+    parsed = parse_completion({"prompt": prompt}, DEFAULT_MAX)
+    assert (parsed.prompt_text, parsed.prompt_ids) == (text, ids)
+
+
+@pytest.mark.parametrize("prompt", [
+    None, 1, 1.5, True, {"a": 1}, "", [], [""], [1, "a"], [True], [1, True], [1.5], [[]],
+    ["a", "b"], [[1], [2]], [None],
+])
+def test_completion_prompt_types(prompt: Any) -> None:
+    body = {"prompt": prompt} if prompt is not None else {}
+    assert refused(parse_completion, body).param == "prompt"
+
+
+@pytest.mark.parametrize("messages", [None, [], "hi", {"role": "user"}, 1])
+def test_messages_must_be_a_non_empty_list(messages: Any) -> None:
+    body = {"messages": messages} if messages is not None else {}
+    assert refused(parse_chat, body).param == "messages"
+
+
+@pytest.mark.parametrize("message", ["hi", 1, None, ["user", "hi"]])
+def test_message_must_be_an_object(message: Any) -> None:
+    assert refused(parse_chat, {"messages": [USER[0], message]}).param == "messages[1]"
+
+
+@pytest.mark.parametrize("role", [None, "robot", "User", 1, ""])
+def test_unknown_role(role: Any) -> None:
+    message = {"content": "x"} if role is None else {"role": role, "content": "x"}
+    assert refused(parse_chat, {"messages": [message]}).param == "messages[0].role"
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
+def test_known_roles(role: str) -> None:
+    parsed = parse_chat({"messages": [{"role": role, "content": "x"}]}, DEFAULT_MAX)
+    assert parsed.messages is not None
+    assert parsed.messages[0]["role"] == ("system" if role == "developer" else role)
+
+
+def test_text_content_parts_are_joined() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parsed = parse_chat({"messages": [{"role": "user", "content": parts}]}, DEFAULT_MAX)
+    assert parsed.messages == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "http://x"}},
+    {"type": "text"},
+    {"type": "text", "text": 1},
+    {"text": "a"},
+    "a",
+    None,
+])
+def test_non_text_content_parts(part: Any) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ok"}, part]}]}
+    assert refused(parse_chat, body).param == "messages[0].content"
+
+
+@pytest.mark.parametrize("content", [None, 1, {"text": "a"}, True])
+def test_bad_content(content: Any) -> None:
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert refused(parse_chat, body).param == "messages[0].content"
+
+
+def test_assistant_content_may_be_null() -> None:
+    body = {"messages": [USER[0], {"role": "assistant", "content": None}]}
+    assert parse_chat(body, DEFAULT_MAX).messages == [USER[0], {"role": "assistant", "content": ""}]
+
+
+def test_message_name_kept() -> None:
+    body = {"messages": [{"role": "user", "content": "x", "name": "bob", "extra": 1}]}
+    assert parse_chat(body, DEFAULT_MAX).messages == [{"role": "user", "content": "x", "name": "bob"}]
+
+
+# -- sampling ------------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -1, True, False, "10", 1.5, 10.0, [10]])
+def test_max_tokens_must_be_a_positive_int(parse: Any, make: Any, name: str, value: Any) -> None:
+    assert refused(parse, make(**{name: value})).param == name
+
+
+@BOTH
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_accepted(parse: Any, make: Any, name: str) -> None:
+    assert parse(make(**{name: 9}), DEFAULT_MAX).sampling.max_tokens == 9
+    assert parse(make(**{name: None}), DEFAULT_MAX).sampling.max_tokens == DEFAULT_MAX
+
+
+@pytest.mark.parametrize("value", [-0.1, 2.01, "1", True, float("nan"), float("inf"), [1]])
+@BOTH
+def test_temperature_range(parse: Any, make: Any, value: Any) -> None:
+    assert refused(parse, make(temperature=value)).param == "temperature"
+
+
+@BOTH
+@pytest.mark.parametrize("value", [0, 0.0, 1, 2, 2.0])
+def test_temperature_accepted(parse: Any, make: Any, value: Any) -> None:
+    sampling = parse(make(temperature=value), DEFAULT_MAX).sampling
+    assert sampling.temperature == value and isinstance(sampling.temperature, float)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.01, "0.9", False, float("nan")])
+@BOTH
+def test_top_p_range(parse: Any, make: Any, value: Any) -> None:
+    assert refused(parse, make(top_p=value)).param == "top_p"
+
+
+@BOTH
+@pytest.mark.parametrize("value", [0.01, 0.5, 1, 1.0, None])
+def test_top_p_accepted(parse: Any, make: Any, value: Any) -> None:
+    assert parse(make(top_p=value), DEFAULT_MAX).sampling.top_p == (1.0 if value is None else value)
+
+
+@BOTH
+@pytest.mark.parametrize("value", ["1", 1.5, True, 2**64, -(2**63) - 1])
+def test_seed_must_be_an_int(parse: Any, make: Any, value: Any) -> None:
+    assert refused(parse, make(seed=value)).param == "seed"
+
+
+@BOTH
+@pytest.mark.parametrize("value", [0, 42, -1, 2**64 - 1, -(2**63)])
+def test_seed_fits_63_bits(parse: Any, make: Any, value: int) -> None:
+    seed = parse(make(seed=value), DEFAULT_MAX).sampling.seed
+    assert seed is not None and 0 <= seed < 2**63
+
+
+@BOTH
+@pytest.mark.parametrize("n", [0, 2, "1", 1.0, True])
+def test_only_n_1(parse: Any, make: Any, n: Any) -> None:
+    assert refused(parse, make(n=n)).param == "n"
+
+
+@BOTH
+def test_n_1_accepted(parse: Any, make: Any) -> None:
+    parse(make(n=1), DEFAULT_MAX)
+    parse(make(n=None), DEFAULT_MAX)
+
+
+# -- stop, stream --------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize(("stop", "expected"), [
+    (None, []), ("x", ["x"]), ([], []), (["a", "b"], ["a", "b"]), (["1", "2", "3", "4"], ["1", "2", "3", "4"]),
+])
+def test_stop_accepted(parse: Any, make: Any, stop: Any, expected: list[str]) -> None:
+    assert parse(make(stop=stop), DEFAULT_MAX).stop == expected
+
+
+@BOTH
+@pytest.mark.parametrize("stop", ["", [""], ["a", ""], ["a"] * (MAX_STOPS + 1), [1], 1, {"a": 1}, [None]])
+def test_stop_refused(parse: Any, make: Any, stop: Any) -> None:
+    assert refused(parse, make(stop=stop)).param == "stop"
+
+
+@BOTH
+@pytest.mark.parametrize("stream", ["true", 1, 0, [True]])
+def test_stream_must_be_a_bool(parse: Any, make: Any, stream: Any) -> None:
+    assert refused(parse, make(stream=stream)).param == "stream"
+
+
+@BOTH
+def test_stream_and_usage(parse: Any, make: Any) -> None:
+    parsed = parse(make(stream=True, stream_options={"include_usage": True}), DEFAULT_MAX)
+    assert parsed.stream is True and parsed.include_usage is True
+    parsed = parse(make(stream=True, stream_options={}), DEFAULT_MAX)
+    assert parsed.include_usage is False
+    assert parse(make(stream=None, stream_options=None), DEFAULT_MAX).stream is False
+
+
+@BOTH
+@pytest.mark.parametrize("options", ["x", [1], True, 1])
+def test_stream_options_must_be_an_object(parse: Any, make: Any, options: Any) -> None:
+    assert refused(parse, make(stream=True, stream_options=options)).param == "stream_options"
+
+
+@BOTH
+@pytest.mark.parametrize("value", ["yes", 1, [True]])
+def test_include_usage_must_be_a_bool(parse: Any, make: Any, value: Any) -> None:
+    err = refused(parse, make(stream=True, stream_options={"include_usage": value}))
+    assert err.param == "stream_options.include_usage"
+
+
+@BOTH
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_ignore_eos_must_be_a_bool(parse: Any, make: Any, value: Any) -> None:
+    assert refused(parse, make(ignore_eos=value)).param == "ignore_eos"
+
+
+# -- known-but-unsupported parameters ------------------------------------------------
+
+NEUTRAL_VALUES = {
+    "presence_penalty": [None, 0, 0.0], "frequency_penalty": [None, 0, 0.0],
+    "repetition_penalty": [None, 1, 1.0], "logit_bias": [None, {}], "logprobs": [None, False],
+    "top_logprobs": [None, 0], "echo": [None, False], "best_of": [None, 1], "suffix": [None, ""],
+    "tools": [None, []], "functions": [None, []], "tool_choice": [None, "none", "auto"],
+    "function_call": [None, "none", "auto"], "response_format": [None, {"type": "text"}],
+    "top_k": [None, 0, -1], "min_p": [None, 0, 0.0], "modalities": [None, ["text"]],
+    "audio": [None], "prediction": [None],
+}
+NON_NEUTRAL_VALUES = {
+    "presence_penalty": [0.5, -1], "frequency_penalty": [0.1], "repetition_penalty": [1.1, 0],
+    "logit_bias": [{"50256": -100}], "logprobs": [True, 5], "top_logprobs": [3],
+    "echo": [True], "best_of": [2], "suffix": ["end"],
+    "tools": [[{"type": "function", "function": {"name": "f"}}]], "functions": [[{"name": "f"}]],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
+    "function_call": [{"name": "f"}], "response_format": [{"type": "json_object"}],
+    "top_k": [40], "min_p": [0.05], "modalities": [["text", "audio"]],
+    "audio": [{"voice": "alloy"}], "prediction": [{"type": "content", "content": "x"}],
+}
+
+
+def test_tables_cover_every_known_parameter() -> None:
+    assert set(NEUTRAL_VALUES) == set(NEUTRAL) == set(NON_NEUTRAL_VALUES)
+
+
+@BOTH
+@pytest.mark.parametrize(("name", "value"),
+                         [(k, v) for k, vs in NEUTRAL_VALUES.items() for v in vs])
+def test_neutral_values_accepted(parse: Any, make: Any, name: str, value: Any) -> None:
+    parse(make(**{name: value}), DEFAULT_MAX)
+
+
+@BOTH
+@pytest.mark.parametrize(("name", "value"),
+                         [(k, v) for k, vs in NON_NEUTRAL_VALUES.items() for v in vs])
+def test_non_neutral_values_refused(parse: Any, make: Any, name: str, value: Any) -> None:
+    err = refused(parse, make(**{name: value}))
+    assert err.param == name and name in err.message
+
+
+@BOTH
+def test_unknown_parameters_ignored(parse: Any, make: Any) -> None:
+    parse(make(user="u1", metadata={"a": "b"}, store=False, vendor_extra=[1, 2]), DEFAULT_MAX)
+
+
+# -- fuzz ----------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+keys = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
+                        "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options",
+                        "ignore_eos", *NEUTRAL])
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(keys, json_values, max_size=6) | json_values)
+@pytest.mark.parametrize("parse", [parse_chat, parse_completion])
+def test_arbitrary_json_raises_only_bad_request(parse: Any, body: Any) -> None:
+    try:
+        parse(body, DEFAULT_MAX)
+    except BadRequest:
+        pass
