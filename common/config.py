@@ -86,11 +86,11 @@ class RouterConfig:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.max_queue < 0:
             raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.queue_timeout_s <= 0:
+        if not self.queue_timeout_s > 0:  # also refuses NaN
             raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
         if self.default_max_tokens <= 0:
             raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
-        if self.drain_timeout_s < 0:
+        if not self.drain_timeout_s >= 0:  # also refuses NaN
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.worker_mode not in ("spawn", "external"):
             raise ConfigError(f"--worker-mode must be spawn or external, got {self.worker_mode!r}")
@@ -169,6 +169,8 @@ def _coerce(value: Any, f: dataclasses.Field[Any], cls: type, where: str) -> Any
             return tuple(str(v) for v in value)
         if kind is int and isinstance(value, float):
             raise ValueError(value)
+        if kind is str and not isinstance(value, str):
+            raise ValueError(value)
         if isinstance(value, bool) and kind is not bool:
             raise ValueError(value)
         return kind(value)
@@ -178,9 +180,15 @@ def _coerce(value: Any, f: dataclasses.Field[Any], cls: type, where: str) -> Any
         ) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so main() owns the exit code."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
 def _parser(cls: type, prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__,
-                                     argument_default=argparse.SUPPRESS)
+    parser = _Parser(prog=prog, description=cls.__doc__, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="TOML config file ([router] / [worker] tables).")
     for f in dataclasses.fields(cls):
         kind = _base_type(f, cls)

@@ -139,7 +139,7 @@ def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows:
     if per_token <= 0:
         return m.prefill_step_tokens
     chunk = int(free_bytes // per_token)
-    return max(MIN_CHUNK_TOKENS, min(chunk, m.prefill_step_tokens))
+    return min(m.prefill_step_tokens, max(MIN_CHUNK_TOKENS, chunk))
 
 
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,

@@ -198,9 +198,10 @@ def decode(frame: bytes) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError("frame is not a map")
     version = body.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    cls = MESSAGE_TYPES.get(body.pop("type", None))  # type: ignore[arg-type]
+    kind = body.pop("type", None)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message type")
     hints = _hints(cls)

@@ -170,6 +170,8 @@ class Api:
         """Wait (until the queue deadline) for a worker's hello, then its tokenizer."""
         d = self.dispatcher
         while d.link is None:
+            if d.unavailable is not None:
+                raise NoWorker(d.unavailable)
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     await d.ready.wait()

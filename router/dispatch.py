@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from common.costmodel import CostModel
 from common.errors import (
-    BadRequest, InsufficientMemory, ContextLengthExceeded, ProtocolError,
+    BadRequest, InsufficientMemory, ContextLengthExceeded, NoWorker, ProtocolError,
     QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
@@ -81,6 +81,7 @@ class Dispatcher:
         self.hello_listeners: list[Callable[[Hello], None]] = []
         self.on_shutdown: Callable[[int, str], None] = lambda incarnation, reason: None
         self.ready = asyncio.Event()          # set while a worker has said hello
+        self.unavailable: str | None = None   # why no worker will come (failed, draining)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -107,6 +108,8 @@ class Dispatcher:
     # -- requests --------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        if self.unavailable is not None:
+            raise NoWorker(self.unavailable)
         if self.quarantine.is_quarantined(job.fingerprint(), self.clock()):
             raise RequestQuarantined(
                 "this request was running when the worker died twice; it is quarantined")
@@ -164,6 +167,17 @@ class Dispatcher:
             log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc)
 
     # -- worker lifecycle ------------------------------------------------------------
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """No worker will come until an operator acts: answer the queue now, not at timeout."""
+        self.unavailable = reason
+        if reason is None:
+            if self.link is None:
+                self.ready.clear()
+            return
+        while self.backlog:
+            self.backlog.pop().fail(NoWorker(reason))
+        self.ready.set()  # wake requests waiting for a hello; they will see `unavailable`
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the current worker to finish up and exit (it is ours to stop)."""

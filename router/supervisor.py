@@ -75,7 +75,10 @@ class SpawnSpec:
 
 def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
     if returncode < 0:
-        name = signal.Signals(-returncode).name
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:  # real-time signals have no enum member
+            name = f"SIG{-returncode}"
         why = "aborted (SIGABRT), as on a Metal out-of-memory" if name == "SIGABRT" else f"killed by {name}"
         return None, name, why
     reasons = {ExitCode.OK: "exited", ExitCode.CONFIG_ERROR: "configuration error",
@@ -248,10 +251,10 @@ class Supervisor:
             self._deaths_before_ready += 1
             if self._deaths_before_ready >= STARTUP_DEATHS:
                 return WorkerState.FAILED, 0.0
+        if blamed_on_quarantine:  # the prompt is to blame, not the worker: no longer backoff
+            return WorkerState.RESTARTING, BACKOFF_FIRST_S
         self._consecutive += 1
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._consecutive - 1))
-        if blamed_on_quarantine:
-            delay = BACKOFF_FIRST_S
         return WorkerState.RESTARTING, delay
 
     def _kill(self, why: str) -> None:
@@ -293,6 +296,11 @@ class Supervisor:
     def _set(self, state: WorkerState, reason: str) -> None:
         if state is not self.state:
             log.info("worker state %s → %s: %s", self.state, state, reason)
+        if state is WorkerState.FAILED:
+            self.dispatcher.set_unavailable(f"the worker has failed: {reason}; an operator must "
+                                            "restart it (SIGHUP or POST /admin/workers/restart)")
+        elif self.state is WorkerState.FAILED:
+            self.dispatcher.set_unavailable(None)
         self.state, self.reason = state, reason
         self.metrics.worker_state.state(state.value)
 

@@ -85,11 +85,11 @@ class _quiet:
 class Router(Proc):
     """mlx-router --model demo on a free port, spawning its own worker."""
 
-    def __init__(self, run_dir: Path, cache_home: Path, *extra: str) -> None:
+    def __init__(self, run_dir: Path, cache_home: Path, *extra: str, model: str = "demo") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.addr = f"ipc://{run_dir}/r{self.port}.sock"
-        argv = [sys.executable, "-m", "router", "--model", "demo", "--port", str(self.port),
+        argv = [sys.executable, "-m", "router", "--model", model, "--port", str(self.port),
                 "--worker-addr", self.addr, *extra]
         super().__init__(argv, isolated_env(cache_home, run_dir), run_dir / f"router-{self.port}.log")
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
@@ -105,6 +105,11 @@ class Router(Proc):
 
     def worker(self) -> dict[str, Any]:
         return self.health().get("workers", [{}])[0]
+
+    def wait_answering(self, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Until /health answers at all (any status)."""
+        return wait_until(self.health, timeout, "router /health to answer", interval=0.1,
+                          on_fail=self.log)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
