@@ -89,6 +89,10 @@ class Router(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.addr = f"ipc://{run_dir}/r{self.port}.sock"
+        if "--worker-addr" in extra:
+            self.addr = extra[extra.index("--worker-addr") + 1]
+            extra = tuple(a for i, a in enumerate(extra)
+                          if a != "--worker-addr" and (i == 0 or extra[i - 1] != "--worker-addr"))
         argv = [sys.executable, "-m", "router", "--model", model, "--port", str(self.port),
                 "--worker-addr", self.addr, *extra]
         super().__init__(argv, isolated_env(cache_home, run_dir), run_dir / f"router-{self.port}.log")
