@@ -23,6 +23,7 @@ __all__ = [
     "batch_kv_bytes",
     "prefill_transient_bytes",
     "growth_spike_bytes",
+    "copy_spike_bytes",
     "request_cost_bytes",
     "batch_cost_bytes",
     "max_request_tokens",
@@ -60,6 +61,11 @@ class CostModel:
     prefill_c_bytes: float
     # Fraction of one layer's old cache that coexists with the new one when a cache grows.
     growth_factor: float = 1.0
+    # When rows join or leave a batch, mlx-lm copies the whole batch cache (concatenate on
+    # extend, gather on filter); for a moment old and new coexist: this share of it.
+    copy_factor: float = 1.0
+    # In-service correction: grows when a step's measured peak exceeds its prediction.
+    scale: float = 1.0
     budget_bytes: int
     context_length: int
     prefill_step_tokens: int
@@ -91,25 +97,36 @@ def growth_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
     return int(m.growth_factor * per_layer_old)
 
 
+def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
+    """Extending or filtering a batch of several rows copies its whole cache once."""
+    if rows < 2:
+        return 0
+    return int(m.copy_factor * batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token))
+
+
 def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int) -> int:
     """Peak cost of one request on an idle worker: its cache, its first chunk, a growth."""
     total = prompt_tokens + max_tokens
     chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
-    return (
+    return int(m.scale * (
         batch_kv_bytes(1, total, m.kv_bytes_per_token)
         + prefill_transient_bytes(m, chunk, prompt_tokens)
         + growth_spike_bytes(m, 1, total)
-    )
+    ))
 
 
 def batch_cost_bytes(m: CostModel, rows: int, longest_tokens: int, chunk_tokens: int,
                      prefill_rows: int, context_tokens: int) -> int:
-    """Worst case of a batch: every row padded to the longest, plus one prefill chunk."""
-    return (
+    """Worst case of a batch: every row padded to the longest, plus one prefill chunk, plus
+    the larger of a growth step and a whole-batch copy (they do not happen in one step)."""
+    if rows == 0:
+        return 0
+    spike = max(growth_spike_bytes(m, rows, longest_tokens), copy_spike_bytes(m, rows, longest_tokens))
+    return int(m.scale * (
         batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token)
         + prefill_transient_bytes(m, chunk_tokens, context_tokens, prefill_rows)
-        + growth_spike_bytes(m, rows, longest_tokens)
-    )
+        + spike
+    ))
 
 
 def never_fits(m: CostModel, prompt_tokens: int, max_tokens: int) -> bool:

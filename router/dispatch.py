@@ -254,6 +254,9 @@ class Dispatcher:
             self._on_tokens(link, msg)
         elif isinstance(msg, Status):
             link.status, link.status_at, link.held = msg.report, now, False
+            if isinstance(msg.report.get("cost_model"), dict):
+                # The worker grows its model when it measures more than it predicted.
+                link.model = CostModel.from_dict(msg.report["cost_model"])
             self.pump()
         elif isinstance(msg, Heartbeat):
             if msg.step != link.step:

@@ -41,9 +41,18 @@ CRASH_LOOP_WINDOW_S = 60.0
 STARTUP_DEATHS = 3              # consecutive deaths before ever getting ready → failed
 HEARTBEAT_TIMEOUT_S = 3.0       # silent this long → dead (spawned) or down (external)
 STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits → wedged
+STALL_STEP_FACTOR = 5.0         # ... or this many times the worker's slowest step
 MONITOR_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our worker
 STDERR_TAIL_LINES = 30
+
+
+def stall_timeout_s(report: dict[str, Any] | None) -> float:
+    """A frozen step counter means wedged only well past the slowest step seen so far."""
+    worst = report.get("worst_step_s") if report else None
+    if isinstance(worst, (int, float)) and worst > 0:
+        return max(STALL_TIMEOUT_S, STALL_STEP_FACTOR * float(worst))
+    return STALL_TIMEOUT_S
 
 
 class WorkerState(StrEnum):
@@ -279,7 +288,7 @@ class Supervisor:
             stalled_s = now - link.step_changed_at if link.has_work else 0.0
             if silent_s > HEARTBEAT_TIMEOUT_S:
                 self._unresponsive(link.incarnation, f"silent for {silent_s:.1f}s")
-            elif stalled_s > STALL_TIMEOUT_S:
+            elif stalled_s > stall_timeout_s(link.status):
                 self._unresponsive(link.incarnation, f"engine loop wedged for {stalled_s:.1f}s")
 
     def _unresponsive(self, incarnation: int, why: str) -> None:

@@ -7,6 +7,7 @@ wedged engine loop is visible to the router as a counter that stops while work w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
 )
-from worker.engine import Engine, Output
+from worker.engine import ChunkPacer, Engine, Output
 from worker.memory import MemoryState
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 STATUS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 50
+# A step's prefill work is sized to take about this long: short enough that decode keeps
+# flowing beside a long prompt and that no healthy step nears the router's stall timeout.
+STEP_BUDGET_S = 0.5
+# When a step's peak exceeds its prediction, grow the model by the overshoot and this margin.
+CALIBRATION_GROWTH = 1.05
 # Without a router heartbeat for this long, re-send hello (the router may have restarted).
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
@@ -107,6 +113,9 @@ class WorkerServer:
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
         self._worst_step_s = 0.0
+        self._last_totals: list[int] = []
+        self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
+        self.chunk_tokens = memory.model.prefill_step_tokens
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -222,20 +231,24 @@ class WorkerServer:
         if costmodel.never_fits(m, n, msg.max_tokens):
             return reject(RejectReason.NEVER_FITS, "does not fit even on an idle worker",
                           costmodel.request_cost_bytes(m, n, msg.max_tokens))
-        fits, worst = costmodel.fits_now(m, self.engine.totals(), n, msg.max_tokens,
-                                         self.engine.num_prefilling(), self._free_bytes())
+        fits, worst = self._fits(n, msg.max_tokens)
+        if not fits and self.memory.last is not None and self.memory.last.cache_bytes > 0:
+            # The buffer cache is reclaimable, not lost: clear it before saying "no room".
+            self.memory.probe.clear_cache()
+            fits, worst = self._fits(n, msg.max_tokens)
         if not fits:
+            log.debug("not now: %s needs a batch worst case of %d bytes", msg.request_id, worst)
             return reject(RejectReason.NOT_NOW, "no room now", worst)
         self.memory.reserved_bytes = worst
         return None
 
+    def _fits(self, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
+        return costmodel.fits_now(self.memory.model, self.engine.totals(), prompt_tokens, max_tokens,
+                                  self.engine.num_prefilling(), self._free_bytes())
+
     def _free_bytes(self) -> int:
         """Live headroom minus what is promised to running rows but not yet allocated."""
         self.memory.refresh()
-        if self.memory.headroom_bytes() < self.memory.reserved_bytes:
-            # Reclaim the buffer cache before saying "no room" (it is not lost memory).
-            self.memory.probe.clear_cache()
-            self.memory.refresh()
         r = self.memory.last
         assert r is not None
         allocated = max(0, r.active_bytes - self.memory.weights_bytes - self.memory.baseline_bytes)
@@ -248,17 +261,71 @@ class WorkerServer:
         if not self.engine.has_work:
             return []
         self.memory.probe.reset_peak()
+        self._size_chunk()
+        predicted = self._predicted_step_bytes()
+        prefilled = self.engine.num_prefilled_tokens()
         started = time.monotonic()
         try:
             outputs = self.engine.step()
+            self._calibrate(predicted)
             self._guard()
         except RuntimeError as exc:  # what MLX >= 0.32 raises for a Metal OOM
             return self._recover(exc)
-        self._worst_step_s = max(self._worst_step_s, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        self._worst_step_s = max(self._worst_step_s, elapsed)
+        self.pacer.observe(self.engine.num_prefilled_tokens() - prefilled, elapsed)
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self._rebase_reservation()
         return outputs
+
+    def _size_chunk(self) -> None:
+        """The next prefill chunk: within the step-time budget and, with admission, memory."""
+        rows = self.engine.prefill_rows()
+        if rows == 0:
+            return
+        chunk = self.pacer.chunk(rows)
+        if self.opts.admission:
+            free = max(0, self.memory.model.budget_bytes - self.memory.reserved_bytes)
+            context = max(self.engine.totals(), default=chunk)
+            chunk = min(chunk, costmodel.safe_prefill_chunk(self.memory.model, free, context, rows))
+        self.engine.set_prefill_step(chunk)
+        self.chunk_tokens = chunk
+
+    def _predicted_step_bytes(self) -> int:
+        """The cost model's bound for this step's peak above weights and baseline.
+
+        Rows that finished last step are still being copied out of the batch cache in this
+        one (mlx-lm filters lazily), so the previous step's batch is charged too.
+        """
+        m = self.memory.model
+        totals, previous = self.engine.totals(), self._last_totals
+        self._last_totals = totals
+        if not totals:
+            return 0
+        rows = self.engine.prefill_rows()
+        now = costmodel.batch_cost_bytes(m, len(totals), max(totals),
+                                         self.chunk_tokens if rows else 0, rows, max(totals))
+        before = costmodel.batch_cost_bytes(m, len(previous), max(previous), 0, 0, 0) if previous else 0
+        return max(now, before)
+
+    def _calibrate(self, predicted: int) -> None:
+        """Keep the cost model honest: a step above its prediction grows the model."""
+        if predicted <= 0:
+            return
+        mem = self.memory
+        measured = mem.probe.step_peak() - mem.weights_bytes - mem.baseline_bytes
+        ratio = measured / predicted
+        mem.worst_measured_over_predicted = max(mem.worst_measured_over_predicted, ratio)
+        if ratio > 1.0:
+            old = mem.model.scale
+            mem.model = dataclasses.replace(mem.model, scale=old * ratio * CALIBRATION_GROWTH)
+            self._changed = True
+            log.warning("step peak %d B above the predicted %d B (x%.2f): cost model scale "
+                        "%.3f -> %.3f", measured, predicted, ratio, old, mem.model.scale)
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: peak %d B, predicted %d B (x%.2f)", self.engine.num_steps,
+                      measured, predicted, ratio)
 
     def _guard(self) -> None:
         """--oom-guard: make a peak above the limit as fatal as Metal makes it."""
@@ -319,6 +386,7 @@ class WorkerServer:
         report["step"] = self.engine.num_steps
         report["bad_frames"] = self.num_bad_frames
         report["worst_step_s"] = round(self._worst_step_s, 4)
+        report["safe_prefill_chunk"] = self.chunk_tokens
         self.send(Status(incarnation=self.opts.incarnation, report=report))
 
     def send(self, msg: Any) -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from common.costmodel import (
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
-    growth_spike_bytes, kv_bytes_per_token, max_request_tokens, never_fits,
+    copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_request_tokens, never_fits,
     prefill_transient_bytes, request_cost_bytes, roundup, safe_prefill_chunk,
 )
 
@@ -94,7 +94,8 @@ def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
     m = make_model()
     short, long = 10, 3000
     padded = batch_cost_bytes(m, 2, long, 0, 0, 0)
-    assert padded == 2 * roundup(long) * m.kv_bytes_per_token + growth_spike_bytes(m, 2, long)
+    assert padded == 2 * roundup(long) * m.kv_bytes_per_token + max(
+        growth_spike_bytes(m, 2, long), copy_spike_bytes(m, 2, long))
     unpadded = (batch_kv_bytes(1, short, m.kv_bytes_per_token)
                 + batch_kv_bytes(1, long, m.kv_bytes_per_token))
     assert padded > unpadded
@@ -105,10 +106,10 @@ def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
        chunk=st.integers(0, 4096), prefill_rows=st.integers(0, 8), context=st.integers(0, 1 << 17))
 def test_batch_cost_is_the_sum_of_its_parts(m: CostModel, rows: int, longest: int, chunk: int,
                                            prefill_rows: int, context: int) -> None:
-    assert batch_cost_bytes(m, rows, longest, chunk, prefill_rows, context) == (
+    assert batch_cost_bytes(m, rows, longest, chunk, prefill_rows, context) == int(m.scale * (
         rows * roundup(longest) * m.kv_bytes_per_token
         + prefill_transient_bytes(m, chunk, context, prefill_rows)
-        + growth_spike_bytes(m, rows, longest))
+        + max(growth_spike_bytes(m, rows, longest), copy_spike_bytes(m, rows, longest))))
 
 
 def test_prefill_transient() -> None:

@@ -1,0 +1,102 @@
+"""`python -m bench serve ...`: compare Headroom, mlx_lm.server and in-process mlx-lm.
+
+Prints the table to stdout and writes the JSON document (default under bench/results/,
+which git ignores). Progress goes to stderr through logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import signal
+import sys
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+
+from bench.prompts import PROMPT_TOKENS
+from bench.systems import SYSTEMS
+
+log = logging.getLogger("bench")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _systems(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"choose distinct names from {','.join(SYSTEMS)}; got {text!r}")
+    return names
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="throughput and latency of the serving systems, side by side")
+    p.add_argument("--model", default="demo", help="demo | bench-shaped | PATH to an mlx-lm folder")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 8], help="e.g. 1,8")
+    p.add_argument("--requests", type=int, default=16, help="requests per workload repetition")
+    p.add_argument("--repeats", type=int, default=2, help="repetitions of each workload")
+    p.add_argument("--max-tokens", type=int, default=64, help="exact output length of every request")
+    p.add_argument("--prompt-tokens", choices=sorted(PROMPT_TOKENS), default="short",
+                   help=", ".join(f"{k} ~{v} tokens" for k, v in PROMPT_TOKENS.items()))
+    p.add_argument("--systems", type=_systems, default=list(SYSTEMS), help=",".join(SYSTEMS))
+    p.add_argument("--json", type=Path, default=None, help="output file (default bench/results/serve-<time>.json)")
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds per server to get healthy")
+    p.add_argument("--workload-timeout", type=float, default=300.0, help="seconds per workload run")
+    p.add_argument("--headroom-arg", action="append", default=[], metavar="ARG",
+                   help="extra mlx-router argument (repeat; e.g. --headroom-arg=--log-level=warning)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Turn SIGTERM into an exception so every `finally` (and ExitStack) stops the servers.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.requests < 1 or args.repeats < 1 or args.max_tokens < 1:
+        log.error("--requests, --repeats and --max-tokens must be >= 1")
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    from bench import report
+    from bench.procs import StartError
+    from bench.runner import ServeConfig, run_serve
+
+    cfg = ServeConfig(model=args.model, concurrency=args.concurrency, num_requests=args.requests,
+                      repeats=args.repeats, max_tokens=args.max_tokens,
+                      prompt_tokens=args.prompt_tokens, systems=args.systems,
+                      startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
+                      headroom_args=args.headroom_arg,
+                      command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]))
+    try:
+        doc = run_serve(cfg)
+    except StartError as exc:
+        log.error("%s", exc)  # the servers already stopped; their logs were kept
+        return 1
+    out = args.json or RESULTS_DIR / f"serve-{datetime.now():%Y%m%d-%H%M%S}.json"
+    report.write_json(doc, out)
+    print(report.render(doc))
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Derived figures, targets, the printed table and the JSON document.
+
+Derived (all at concurrency 1 unless said; formulas also in bench/README.md):
+- overhead_us_per_token[s] = (1/tps[s] − 1/tps[inprocess]) × 1e6: the wall time a server
+  adds per generated token over the bare BatchGenerator loop.
+- added_ttft_ms[s] = ttft_p50[s] − ttft_p50[inprocess]: what HTTP, tokenizing, queueing
+  and IPC add before the first token.
+- tps_ratio_vs_headroom[s][c] = tps[s] / tps[headroom]; tps_ratio_vs_inprocess likewise.
+Targets are printed beside the figures; nothing is asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import FIGURES, Summary, is_good, why_not_good
+
+HEADROOM, MLX_LM, INPROC = "headroom", "mlx_lm_server", "inprocess"
+
+
+def derive(summaries: dict[str, dict[int, Summary]]) -> tuple[dict[str, Any], list[str]]:
+    """The derived figures, and notes saying why any of them is missing or not > 0."""
+    notes: list[str] = []
+    out: dict[str, Any] = {"overhead_us_per_token": {}, "added_ttft_ms": {},
+                           "tps_ratio_vs_headroom": {}, "tps_ratio_vs_inprocess": {}}
+    floor = summaries.get(INPROC, {}).get(1)
+    servers = [s for s in summaries if s != INPROC]
+    if floor is None:
+        notes.append("overhead and added TTFT need the inprocess system at concurrency 1")
+    for s in servers:
+        mine = summaries[s].get(1)
+        if floor is None or mine is None:
+            continue
+        if is_good(mine.tokens_per_s) and is_good(floor.tokens_per_s):
+            out["overhead_us_per_token"][s] = (1 / mine.tokens_per_s - 1 / floor.tokens_per_s) * 1e6
+        out["added_ttft_ms"][s] = mine.ttft_p50_ms - floor.ttft_p50_ms
+    for key, base in (("tps_ratio_vs_headroom", HEADROOM), ("tps_ratio_vs_inprocess", INPROC)):
+        if base not in summaries:
+            notes.append(f"{key} needs the {base} system")
+            continue
+        for s, by_c in summaries.items():
+            ratios = {str(c): by_c[c].tokens_per_s / summaries[base][c].tokens_per_s
+                      for c in by_c if c in summaries[base] and is_good(summaries[base][c].tokens_per_s)}
+            out[key][s] = ratios
+    for key in ("overhead_us_per_token", "added_ttft_ms"):
+        for s, v in out[key].items():
+            if not is_good(v):
+                notes.append(f"{key}[{s}] = {v:.4g} is not > 0: {s} measured at or below the "
+                             f"in-process floor, i.e. the difference is within run-to-run noise "
+                             f"(see tokens_per_s_by_rep)")
+    return out, notes
+
+
+def targets(summaries: dict[str, dict[int, Summary]], derived: dict[str, Any],
+            model: str) -> list[dict[str, Any]]:
+    """The project's targets, evaluated where the run has the data (printed, not asserted)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, op: str, bound: float, applies: str) -> None:
+        met = None if value is None or not math.isfinite(value) else (
+            value >= bound if op == ">=" else value < bound)
+        rows.append({"target": name, "value": value, "bound": f"{op} {bound}", "met": met,
+                     "applies_to": applies})
+
+    for c in (1, 8):
+        r = derived["tps_ratio_vs_headroom"].get(MLX_LM, {}).get(str(c))
+        add(f"headroom tps / mlx_lm_server tps at c={c}", None if not r else 1 / r, ">=", 1.0, "demo")
+    add("headroom added TTFT vs inprocess at c=1 (ms)", derived["added_ttft_ms"].get(HEADROOM),
+        "<", 3.0, "demo")
+    add("headroom tps / inprocess tps at c=8", derived["tps_ratio_vs_inprocess"].get(HEADROOM, {}).get("8"),
+        ">=", 0.9, "bench-shaped")
+    for row in rows:
+        row["this_model"] = row["applies_to"] == model
+    return rows
+
+
+def build(meta: dict[str, Any], summaries: dict[str, dict[int, Summary]],
+          warmup: dict[str, Any]) -> dict[str, Any]:
+    derived, notes = derive(summaries)
+    for by_c in summaries.values():
+        for summary in by_c.values():
+            for fig in FIGURES + ("errors",):
+                why = (f"{summary.errors} requests failed: {summary.error_samples[0]}"
+                       if fig == "errors" and summary.errors else
+                       None if fig == "errors" else why_not_good(summary, fig))
+                if why:
+                    notes.append(f"{summary.system} c={summary.concurrency} {fig}: {why}")
+    return {"meta": meta, "warmup": warmup,
+            "results": {s: {str(c): v.to_dict() for c, v in by_c.items()} for s, by_c in summaries.items()},
+            "derived": derived, "targets": targets(summaries, derived, meta["model"]["name"]),
+            "notes": notes}
+
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The table printed to stdout."""
+    d = doc["derived"]
+    head = (f"{'system':<14}{'c':>3}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
+            f"{'p99':>8}{'TPOT':>7}{'chunk/req':>10}{'err':>5}{'÷headroom':>10}{'÷inproc':>9}")
+    lines = [f"model {doc['meta']['model']['name']} ({doc['meta']['model']['folder']}), "
+             f"max_tokens {doc['meta']['max_tokens']}, prompt ~{doc['meta']['prompt_tokens']} tokens, "
+             f"{doc['meta']['requests']} requests x {doc['meta']['repeats']} repeats per workload",
+             "times in ms; TTFT/ITL from the client's send; ITL is the gap between output chunks",
+             head, "-" * len(head)]
+    for s, by_c in doc["results"].items():
+        for c, r in by_c.items():
+            lines.append(
+                f"{s:<14}{c:>3}{_fmt(r['tokens_per_s'], 1):>9}{_fmt(r['requests_per_s']):>8}"
+                f"{_fmt(r['ttft_p50_ms']):>10}{_fmt(r['ttft_p99_ms']):>8}{_fmt(r['itl_p50_ms']):>9}"
+                f"{_fmt(r['itl_p99_ms']):>8}{_fmt(r['tpot_ms']):>7}{_fmt(r['chunks_per_request'], 1):>10}"
+                f"{r['errors']:>5}{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(c), 3):>10}"
+                f"{_fmt(d['tps_ratio_vs_inprocess'].get(s, {}).get(c), 3):>9}")
+    lines.append("")
+    lines.append("overhead per token vs inprocess at c=1, (1/tps_sys - 1/tps_inproc)*1e6 us; "
+                 "added TTFT = TTFT p50 sys - TTFT p50 inproc at c=1:")
+    for s in sorted(d["overhead_us_per_token"].keys() | d["added_ttft_ms"].keys()):
+        lines.append(f"  {s:<14} overhead {_fmt(d['overhead_us_per_token'].get(s), 1):>8} us/token   "
+                     f"added TTFT {_fmt(d['added_ttft_ms'].get(s)):>7} ms")
+    lines.append("")
+    lines.append("targets (not asserted):")
+    for t in doc["targets"]:
+        verdict = "n/a" if t["met"] is None else ("MET" if t["met"] else "MISSED")
+        scope = "" if t["this_model"] else f"  [target is for --model {t['applies_to']}]"
+        lines.append(f"  {t['target']:<48} {_fmt(t['value'], 3):>8} {t['bound']:<7} {verdict}{scope}")
+    for n in doc["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # allow_nan=False: a nan would be invalid JSON; non-figures are None with a note.
+    path.write_text(json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n")
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj

@@ -1,0 +1,147 @@
+"""`serve`: start every system, warm it, run the workloads round-robin, summarize.
+
+Fairness rules, and why:
+- One run, one machine, one model folder for everyone: numbers from different runs are
+  not comparable on a shared 2-core box.
+- Round-robin per workload repetition, with the order rotated each time, so slow drift
+  (thermal, a neighbour's job) spreads over all systems instead of landing on one.
+- Every system gets the same prompts in a repetition; each prompt is unique (bench/prompts.py).
+- All systems stay up for the whole run, idle while another is measured, so each one's
+  idle cost is present in every measurement alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import RunResult, Summary, summarize
+from bench.prompts import PROMPT_TOKENS, make_prompts
+from bench.systems import System, make_system
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    model: str = "demo"
+    concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    num_requests: int = 16
+    repeats: int = 2
+    max_tokens: int = 64
+    prompt_tokens: str = "short"
+    systems: list[str] = field(default_factory=lambda: ["headroom", "mlx_lm_server", "inprocess"])
+    startup_timeout_s: float = 180.0
+    workload_timeout_s: float = 300.0
+    headroom_args: list[str] = field(default_factory=list)
+    command: str = ""
+
+
+def resolve_model(name: str) -> tuple[str, Path, dict[str, Any]]:
+    """(what headroom's --model gets, the folder everyone else loads, facts for the report)."""
+    from worker.demo import default_cache_root, ensure_demo_model
+
+    cache_root = default_cache_root(os.environ)
+    if name == "demo":
+        folder = ensure_demo_model(cache_root)
+        return "demo", folder, {"name": "demo", "folder": str(folder)}
+    if name == "bench-shaped":
+        from bench.shaped import SHAPE, ensure_shaped_model, measure_decode_step_ms
+
+        folder = ensure_shaped_model(cache_root)
+        info = {"name": name, "folder": str(folder), "shape": SHAPE, "dtype": "float32",
+                "decode_step_ms_batch8": measure_decode_step_ms(folder, batch=8),
+                "decode_step_ms_batch1": measure_decode_step_ms(folder, batch=1)}
+        return str(folder), folder, info
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"--model {name!r}: not demo, bench-shaped or a local mlx-lm model folder")
+    return str(folder), folder, {"name": "path", "folder": str(folder)}
+
+
+def _machine() -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "mlx": getattr(mx, "__version__", "?"), "mlx_lm": getattr(mlx_lm, "__version__", "?"),
+            "device": str(mx.default_device())}
+
+
+def _warm(system: System, encode: Any, cfg: ServeConfig, target: int) -> dict[str, Any]:
+    """A first workload per system, discarded: model load, kernel setup, lazy imports."""
+    num = max(2, max(cfg.concurrency))
+    prompts = make_prompts(encode, f"warm-{system.name}", num, target)
+    run = system.run(prompts, concurrency=max(cfg.concurrency), max_tokens=cfg.max_tokens,
+                     repetition=-1, timeout_s=cfg.workload_timeout_s)
+    errors = [r.error for r in run.requests if not r.ok]
+    if errors:
+        log.warning("%s warm-up: %d of %d requests failed, e.g. %s", system.name, len(errors),
+                    len(run.requests), errors[0])
+    return {"requests": len(run.requests), "errors": len(errors), "wall_s": run.wall_s,
+            "error_samples": sorted(set(e or "" for e in errors))[:3]}
+
+
+def run_serve(cfg: ServeConfig) -> dict[str, Any]:
+    """Run everything; returns the report document (see bench/report.py)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from bench import report
+
+    model_arg, folder, model_info = resolve_model(cfg.model)
+    encode = load_tokenizer(folder).encode
+    target = PROMPT_TOKENS[cfg.prompt_tokens]
+    run_dir = Path(tempfile.mkdtemp(prefix="headroom-bench-"))  # 0700: fine as XDG_RUNTIME_DIR
+    log.info("server logs in %s (removed after a clean run)", run_dir)
+    runs: dict[tuple[str, int], list[RunResult]] = {}
+    warmup: dict[str, Any] = {}
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    ok = False
+    with contextlib.ExitStack() as stack:
+        systems: list[System] = []
+        for name in cfg.systems:
+            system = make_system(name, model_arg=model_arg, folder=folder, run_dir=run_dir,
+                                 max_tokens=cfg.max_tokens, headroom_args=cfg.headroom_args)
+            stack.callback(system.stop)  # registered before start: stopped even if start fails
+            system.start(cfg.startup_timeout_s)
+            systems.append(system)
+        for system in systems:
+            warmup[system.name] = _warm(system, encode, cfg, target)
+        for rep in range(cfg.repeats):
+            for ci, c in enumerate(cfg.concurrency):
+                prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
+                shift = (rep * len(cfg.concurrency) + ci) % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
+                                     repetition=rep, timeout_s=cfg.workload_timeout_s)
+                    log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
+                             sum(r.completion_tokens for r in run.requests if r.ok) / run.wall_s,
+                             sum(r.ok for r in run.requests), len(run.requests))
+                    runs.setdefault((system.name, c), []).append(run)
+        described = {s.name: s.describe() for s in systems}
+        ok = True
+    if ok:
+        shutil.rmtree(run_dir, ignore_errors=True)  # keep the logs only when something failed
+    summaries: dict[str, dict[int, Summary]] = {}
+    for (name, c), rs in runs.items():
+        summaries.setdefault(name, {})[c] = summarize(rs)
+    meta = {"command": cfg.command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": _machine(), "model": model_info, "max_tokens": cfg.max_tokens,
+            "prompt_tokens": target, "prompt_tokens_label": cfg.prompt_tokens,
+            "requests": cfg.num_requests, "repeats": cfg.repeats, "concurrency": cfg.concurrency,
+            "systems": described, "duration_s": round(time.monotonic() - started, 1),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "argv": sys.argv}
+    return report.build(meta, summaries, warmup)

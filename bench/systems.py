@@ -1,0 +1,175 @@
+"""The three systems under test behind one interface: start, run a workload, stop.
+
+- headroom:      `python -m router` (it spawns and supervises its worker), `ignore_eos: true`.
+- mlx_lm_server: `python -m mlx_lm.server`, batching flags set to Headroom's worker
+                 defaults. It has no way to suppress EOS short of a logit_bias, which
+                 would switch its decode to the per-row logits-processor path and make it
+                 slower than as shipped; so it runs as shipped, and the client checks every
+                 request's usage.completion_tokens == max_tokens instead.
+- inprocess:     mlx-lm's BatchGenerator in this process (bench/inprocess.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.client import run_workload
+from bench.inprocess import MAX_BATCH_SIZE, PREFILL_BATCH_SIZE, PREFILL_STEP_SIZE, InProcess
+from bench.metrics import RunResult
+from bench.procs import ServerProcess, free_port, server_env
+from bench.prompts import Prompt
+
+log = logging.getLogger(__name__)
+
+SYSTEMS: tuple[str, ...] = ("headroom", "mlx_lm_server", "inprocess")
+
+
+class System(Protocol):
+    name: str
+
+    def start(self, timeout_s: float) -> None: ...
+
+    def run(self, prompts: list[Prompt], *, concurrency: int, max_tokens: int, repetition: int,
+            timeout_s: float) -> RunResult: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def stop(self) -> None: ...
+
+
+class HttpSystem:
+    """A server subprocess on a free loopback port, driven by bench/client.py."""
+
+    def __init__(self, name: str, argv_tail: list[str], run_dir: Path,
+                 extra_body: dict[str, Any]) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_body = extra_body
+        argv = [sys.executable, *argv_tail, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = ServerProcess(name, argv, server_env(run_dir), run_dir / f"{name}.log",
+                                  self.url + "/health")
+        self.startup_s: float | None = None
+
+    def start(self, timeout_s: float) -> None:
+        self.proc.start()
+        self.startup_s = self.proc.wait_healthy(timeout_s)
+
+    def run(self, prompts: list[Prompt], *, concurrency: int, max_tokens: int, repetition: int,
+            timeout_s: float) -> RunResult:
+        async def bounded() -> RunResult:
+            # The per-request timeout bounds each request; this bounds the workload.
+            async with asyncio.timeout(timeout_s):
+                return await run_workload(self.url, self.name, prompts, concurrency=concurrency,
+                                          max_tokens=max_tokens, extra_body=self.extra_body,
+                                          repetition=repetition, request_timeout_s=timeout_s)
+        return asyncio.run(bounded())
+
+    def describe(self) -> dict[str, Any]:
+        return {"argv": self.proc.argv, "request_extra": self.extra_body,
+                "startup_s": self.startup_s, "log": str(self.proc.log_path)}
+
+    def stop(self) -> None:
+        code = self.proc.stop()
+        log.info("stopped %s (exit %s)", self.name, code)
+
+
+class Headroom(HttpSystem):
+    def __init__(self, model_arg: str, run_dir: Path, extra_args: list[str]) -> None:
+        super().__init__("headroom", ["-m", "router", "--model", model_arg, *extra_args], run_dir,
+                         {"ignore_eos": True})
+        self.worker_pid: int | None = None
+
+    def start(self, timeout_s: float) -> None:
+        super().start(timeout_s)
+        try:  # remember the worker: it runs in its own session, out of killpg's reach
+            with urllib.request.urlopen(self.url + "/health", timeout=5.0) as resp:
+                self.worker_pid = int(json.loads(resp.read())["workers"][0]["pid"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            log.warning("could not read the headroom worker's pid from /health")
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "worker_pid": self.worker_pid}
+
+    def stop(self) -> None:
+        super().stop()  # the router stops its worker on SIGTERM
+        if self.worker_pid is not None:
+            _stop_pid(self.worker_pid, "worker")
+
+
+class MlxLmServer(HttpSystem):
+    def __init__(self, folder: Path, run_dir: Path, max_tokens: int) -> None:
+        flags = ["--model", str(folder), "--max-tokens", str(max_tokens),
+                 "--decode-concurrency", str(MAX_BATCH_SIZE),
+                 "--prompt-concurrency", str(PREFILL_BATCH_SIZE),
+                 "--prefill-step-size", str(PREFILL_STEP_SIZE)]
+        # "default_model" selects the --model folder; any other name is loaded as a repo.
+        super().__init__("mlx_lm_server", ["-m", "mlx_lm.server", *flags], run_dir,
+                         {"model": "default_model"})
+
+
+class InProcessSystem:
+    name = "inprocess"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.engine: InProcess | None = None
+        self.startup_s: float | None = None
+
+    def start(self, timeout_s: float) -> None:
+        started = time.monotonic()
+        self.engine = InProcess(self.folder)
+        self.startup_s = time.monotonic() - started
+
+    def run(self, prompts: list[Prompt], *, concurrency: int, max_tokens: int, repetition: int,
+            timeout_s: float) -> RunResult:
+        assert self.engine is not None
+        return self.engine.run(prompts, concurrency=concurrency, max_tokens=max_tokens,
+                               repetition=repetition, timeout_s=timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"batch_generator": {"completion_batch_size": MAX_BATCH_SIZE,
+                                    "prefill_batch_size": PREFILL_BATCH_SIZE,
+                                    "prefill_step_size": PREFILL_STEP_SIZE, "stop_tokens": None},
+                "startup_s": self.startup_s}
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def make_system(name: str, *, model_arg: str, folder: Path, run_dir: Path, max_tokens: int,
+                headroom_args: list[str]) -> System:
+    if name == "headroom":
+        return Headroom(model_arg, run_dir, headroom_args)
+    if name == "mlx_lm_server":
+        return MlxLmServer(folder, run_dir, max_tokens)
+    if name == "inprocess":
+        return InProcessSystem(folder)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def _stop_pid(pid: int, must_contain: str) -> None:
+    """TERM, then KILL, one process by id, if it is still the process we think it is."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if not any(must_contain in part for part in proc.cmdline()):
+            return  # exited and the id was reused: not ours
+        proc.terminate()
+        _, alive = psutil.wait_procs([proc], timeout=10.0)
+        if alive:
+            log.warning("%s %d ignored SIGTERM; killing it", must_contain, pid)
+            proc.kill()
+            psutil.wait_procs([proc], timeout=5.0)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return  # already gone
