@@ -58,6 +58,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-timeout", type=float, default=300.0, help="seconds per workload run")
     p.add_argument("--headroom-arg", action="append", default=[], metavar="ARG",
                    help="extra mlx-router argument (repeat; e.g. --headroom-arg=--log-level=warning)")
+    p.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
+                   help="extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prompt-cache-size=10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                       repeats=args.repeats, max_tokens=args.max_tokens,
                       prompt_tokens=args.prompt_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
-                      headroom_args=args.headroom_arg,
+                      headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
                       command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]))
     try:
         doc = run_serve(cfg)

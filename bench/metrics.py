@@ -38,6 +38,7 @@ class RunResult:
     repetition: int
     wall_s: float
     requests: list[RequestResult]
+    worker_restarts: int = 0            # supervised worker restarts during this run
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -71,6 +72,7 @@ class Summary:
     chunks_per_request: float
     tokens_per_s_by_rep: list[float]
     error_samples: list[str]
+    worker_restarts: int
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +105,7 @@ def summarize(runs: list[RunResult]) -> Summary:
         tpot_ms=(sum(tpots) / len(tpots) * 1e3) if tpots else math.nan,
         chunks_per_request=(sum(r.num_chunks for r in good) / len(good)) if good else math.nan,
         tokens_per_s_by_rep=by_rep, error_samples=sorted(set(errors))[:5],
+        worker_restarts=sum(run.worker_restarts for run in runs),
     )
 
 

@@ -88,6 +88,12 @@ def build(meta: dict[str, Any], summaries: dict[str, dict[int, Summary]],
                        None if fig == "errors" else why_not_good(summary, fig))
                 if why:
                     notes.append(f"{summary.system} c={summary.concurrency} {fig}: {why}")
+            if summary.worker_restarts:
+                notes.append(
+                    f"{summary.system} c={summary.concurrency}: its worker was restarted "
+                    f"{summary.worker_restarts} time(s) during these workloads; requests that had "
+                    f"produced nothing were retried on the new worker, so they count as successes "
+                    f"with the restart inside their TTFT and the workload's tokens/s")
     return {"meta": meta, "warmup": warmup,
             "results": {s: {str(c): v.to_dict() for c, v in by_c.items()} for s, by_c in summaries.items()},
             "derived": derived, "targets": targets(summaries, derived, meta["model"]["name"]),

@@ -44,6 +44,7 @@ class ServeConfig:
     startup_timeout_s: float = 180.0
     workload_timeout_s: float = 300.0
     headroom_args: list[str] = field(default_factory=list)
+    mlx_lm_args: list[str] = field(default_factory=list)
     command: str = ""
 
 
@@ -113,7 +114,8 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
         systems: list[System] = []
         for name in cfg.systems:
             system = make_system(name, model_arg=model_arg, folder=folder, run_dir=run_dir,
-                                 max_tokens=cfg.max_tokens, headroom_args=cfg.headroom_args)
+                                 max_tokens=cfg.max_tokens, headroom_args=cfg.headroom_args,
+                                 mlx_lm_args=cfg.mlx_lm_args)
             stack.callback(system.stop)  # registered before start: stopped even if start fails
             system.start(cfg.startup_timeout_s)
             systems.append(system)
@@ -124,8 +126,10 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
                 prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
                 shift = (rep * len(cfg.concurrency) + ci) % len(systems)
                 for system in systems[shift:] + systems[:shift]:
+                    restarts = system.worker_restarts()
                     run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
                                      repetition=rep, timeout_s=cfg.workload_timeout_s)
+                    run.worker_restarts = system.worker_restarts() - restarts
                     log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
                              sum(r.completion_tokens for r in run.requests if r.ok) / run.wall_s,
                              sum(r.ok for r in run.requests), len(run.requests))

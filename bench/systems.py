@@ -41,6 +41,10 @@ class System(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def worker_restarts(self) -> int:
+        """Restarts of a supervised worker so far (0 for systems without one)."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -76,6 +80,9 @@ class HttpSystem:
         return {"argv": self.proc.argv, "request_extra": self.extra_body,
                 "startup_s": self.startup_s, "log": str(self.proc.log_path)}
 
+    def worker_restarts(self) -> int:
+        return 0
+
     def stop(self) -> None:
         code = self.proc.stop()
         log.info("stopped %s (exit %s)", self.name, code)
@@ -89,11 +96,26 @@ class Headroom(HttpSystem):
 
     def start(self, timeout_s: float) -> None:
         super().start(timeout_s)
-        try:  # remember the worker: it runs in its own session, out of killpg's reach
-            with urllib.request.urlopen(self.url + "/health", timeout=5.0) as resp:
-                self.worker_pid = int(json.loads(resp.read())["workers"][0]["pid"])
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+        # Remember the worker: it runs in its own session, out of killpg's reach.
+        self.worker_pid = self._worker_field("pid")
+        if self.worker_pid is None:
             log.warning("could not read the headroom worker's pid from /health")
+
+    def _worker_field(self, key: str) -> int | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5.0) as resp:
+                return int(json.loads(resp.read())["workers"][0][key])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
+
+    def worker_restarts(self) -> int:
+        """A restart during a workload is invisible to the client when the router retries
+        the requests that had produced nothing; /health counts it."""
+        restarts = self._worker_field("restarts")
+        pid = self._worker_field("pid")
+        if pid is not None:
+            self.worker_pid = pid  # a restarted worker has a new pid; stop() needs it
+        return restarts or 0
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "worker_pid": self.worker_pid}
@@ -105,11 +127,16 @@ class Headroom(HttpSystem):
 
 
 class MlxLmServer(HttpSystem):
-    def __init__(self, folder: Path, run_dir: Path, max_tokens: int) -> None:
+    def __init__(self, folder: Path, run_dir: Path, max_tokens: int, extra_args: list[str]) -> None:
+        # Batching as Headroom's worker does it. --prompt-cache-size 0: our prompts are
+        # unique, so its prefix cache can only "hit" on a few shared leading tokens (a BOS,
+        # a tag), which it serves by deep-copying a whole cached KV and trimming it; that
+        # measures its cache, not its serving path, and no other system has one.
         flags = ["--model", str(folder), "--max-tokens", str(max_tokens),
                  "--decode-concurrency", str(MAX_BATCH_SIZE),
                  "--prompt-concurrency", str(PREFILL_BATCH_SIZE),
-                 "--prefill-step-size", str(PREFILL_STEP_SIZE)]
+                 "--prefill-step-size", str(PREFILL_STEP_SIZE), "--prompt-cache-size", "0",
+                 *extra_args]
         # "default_model" selects the --model folder; any other name is loaded as a repo.
         super().__init__("mlx_lm_server", ["-m", "mlx_lm.server", *flags], run_dir,
                          {"model": "default_model"})
@@ -140,6 +167,9 @@ class InProcessSystem:
                                     "prefill_step_size": PREFILL_STEP_SIZE, "stop_tokens": None},
                 "startup_s": self.startup_s}
 
+    def worker_restarts(self) -> int:
+        return 0
+
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -147,11 +177,11 @@ class InProcessSystem:
 
 
 def make_system(name: str, *, model_arg: str, folder: Path, run_dir: Path, max_tokens: int,
-                headroom_args: list[str]) -> System:
+                headroom_args: list[str], mlx_lm_args: list[str]) -> System:
     if name == "headroom":
         return Headroom(model_arg, run_dir, headroom_args)
     if name == "mlx_lm_server":
-        return MlxLmServer(folder, run_dir, max_tokens)
+        return MlxLmServer(folder, run_dir, max_tokens, mlx_lm_args)
     if name == "inprocess":
         return InProcessSystem(folder)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

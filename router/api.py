@@ -24,7 +24,7 @@ from common.errors import (
 from router import admission
 from common.protocol import Hello
 from router.dispatch import Dispatcher
-from router.job import Job, TokenEvent
+from router.job import Job, JobState, TokenEvent
 from router.output import Collector, Formatter
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
@@ -134,6 +134,8 @@ class Api:
             status = exc.status
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
+            log.info("request refused on /v1/%s: %d %s: %s", endpoint, exc.status, exc.code,
+                     exc.message)
             raise
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -223,14 +225,25 @@ class Api:
             return await self._collect(job, collector, fmt)
         finally:
             self.num_in_flight -= 1
+            client_left = job.state is not JobState.DONE
             self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
-            self._observe(job)
+            self._observe(job, collector, client_left)
 
-    def _observe(self, job: Job) -> None:
+    def _observe(self, job: Job, collector: Collector, client_left: bool) -> None:
+        """Metrics, and the one INFO line per request (no prompt text at INFO)."""
+        now = time.monotonic()
+        queued_s = (job.dispatched_at or now) - job.enqueued_at
+        ttft_s = (job.first_token_at - job.enqueued_at) if job.first_token_at else None
         if job.dispatched_at is not None:
-            self.metrics.queue_wait.observe(job.dispatched_at - job.enqueued_at)
-        if job.first_token_at is not None:
-            self.metrics.ttft.observe(job.first_token_at - job.enqueued_at)
+            self.metrics.queue_wait.observe(queued_s)
+        if ttft_s is not None:
+            self.metrics.ttft.observe(ttft_s)
+        outcome = "client gone" if client_left and not collector.finished else (
+            collector.finish_reason or "error")
+        log.info("request %s: %s, prompt %d tokens, completion %d tokens, queued %.3fs, "
+                 "ttft %s, total %.3fs", job.request_id, outcome, len(job.prompt_ids),
+                 collector.completion_tokens, queued_s,
+                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
 
     async def _collect(self, job: Job, collector: Collector, fmt: Formatter) -> web.Response:
         while not collector.finished:

@@ -39,13 +39,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker.boot import build_server, NotEnoughMemory
 
     try:
-        server = build_server(cfg, loaded, incarnation)
+        server = build_server(cfg, loaded, incarnation, _cache_dir(env))
     except NotEnoughMemory as exc:
         log.error("%s", exc)
         return ExitCode.NO_MEMORY
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
     return server.run()
+
+
+def _cache_dir(env: dict[str, str]) -> Path | None:
+    from worker.demo import default_cache_root
+
+    try:
+        return default_cache_root(env)
+    except ValueError:  # no HOME and no XDG_CACHE_HOME: calibrate every start
+        return None
 
 
 def _watch_parent(on_gone: object) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ from common import costmodel
 from common.config import WorkerConfig
 from common.protocol import Hello
 from common.version import __version__
+from worker.calibrate import cache_key, calibrate
 from worker.engine import Engine
 from worker.loader import LoadedModel, context_length
 from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
@@ -57,14 +59,17 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
     return "abort" if device != "metal" and cfg.memory_limit_mb is not None else "off"
 
 
-def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int) -> WorkerServer:
+def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
+                 cache_dir: Path | None) -> WorkerServer:
     probe = MlxProbe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
     active = probe.read().active_bytes
     baseline = max(0, active - shape.weights_bytes)
-    model = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
-                              prefill_step_tokens=cfg.prefill_step_size,
-                              prefill_batch_size=PREFILL_BATCH_SIZE)
+    static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
+                               prefill_step_tokens=cfg.prefill_step_size,
+                               prefill_batch_size=PREFILL_BATCH_SIZE)
+    key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
+    model, _ = calibrate(loaded.model, static, cache_dir=cache_dir, key=key)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))

@@ -1,7 +1,7 @@
 """Under a tight --memory-limit-mb with the OOM guard armed: admission prevents the abort.
 
 The demo model's KV cache costs 64 KiB per token, so a few hundred tokens in a batch
-cross a limit of 160 MiB. The guard (`--oom-guard abort`) makes crossing it as fatal as a
+cross a limit of 200 MiB. The guard (`--oom-guard abort`) makes crossing it as fatal as a
 Metal OOM, so these tests show the gate is real: the same workload without admission
 aborts the worker.
 """
@@ -18,7 +18,7 @@ import httpx
 from tests.conftest import wait_until
 from tests.integration.conftest import Router
 
-LIMIT = ["--memory-limit-mb", "160", "--oom-guard", "abort"]
+LIMIT = ["--memory-limit-mb", "200", "--oom-guard", "abort"]
 WORKLOAD_TIMEOUT_S = 180.0
 
 
@@ -63,7 +63,7 @@ def test_admission_keeps_a_tight_limit(fresh_router: Callable[..., Router]) -> N
     router = fresh_router(*LIMIT)
     pid = router.worker()["pid"]
     report = router.memory()["workers"][0]
-    assert report["limit_bytes"] == 160 * 2**20
+    assert report["limit_bytes"] == 200 * 2**20
 
     # Never fits: a 400 before any GPU work, and the worker is untouched.
     too_big = router.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4000})
@@ -108,7 +108,7 @@ def test_without_admission_the_guard_aborts_and_the_router_survives(
 
 
 def test_oom_guard_raise_is_survived_without_a_restart(fresh_router: Callable[..., Router]) -> None:
-    router = fresh_router("--memory-limit-mb", "160", "--oom-guard", "raise", "--unsafe-no-admission")
+    router = fresh_router("--memory-limit-mb", "200", "--oom-guard", "raise", "--unsafe-no-admission")
     pid = router.worker()["pid"]
     responses = run_workload(router)
     codes = [r.status_code for r in responses]
