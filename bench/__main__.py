@@ -60,6 +60,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="extra mlx-router argument (repeat; e.g. --headroom-arg=--log-level=warning)")
     p.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
                    help="extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prompt-cache-size=10)")
+    p.add_argument("--touch", action="store_true",
+                   help="send every system one 2-token request right before each measured workload "
+                        "(keeps idle-time effects, e.g. a worker restart, out of the figures)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                       prompt_tokens=args.prompt_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
                       headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
+                      touch=args.touch,
                       command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]))
     try:
         doc = run_serve(cfg)

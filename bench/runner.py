@@ -45,6 +45,7 @@ class ServeConfig:
     workload_timeout_s: float = 300.0
     headroom_args: list[str] = field(default_factory=list)
     mlx_lm_args: list[str] = field(default_factory=list)
+    touch: bool = False
     command: str = ""
 
 
@@ -94,6 +95,23 @@ def _warm(system: System, encode: Any, cfg: ServeConfig, target: int) -> dict[st
             "error_samples": sorted(set(e or "" for e in errors))[:3]}
 
 
+def _touch(system: System, encode: Any, cfg: ServeConfig) -> int:
+    """One tiny request right before a measured workload; returns worker restarts it saw.
+
+    Round-robin leaves each system idle while the others are measured. Headroom's router
+    (as of this writing) takes a worker whose first step after >= 10 s idle outlasts a
+    heartbeat for "wedged" and kills it (see bench/README.md); a touch takes that hit, if
+    any, outside the measurement. Every system is touched alike.
+    """
+    before = system.worker_restarts()
+    prompts = make_prompts(encode, f"touch-{system.name}-{time.monotonic_ns()}", 1, 8)
+    run = system.run(prompts, concurrency=1, max_tokens=2, repetition=-2,
+                     timeout_s=cfg.workload_timeout_s)
+    if not all(r.ok for r in run.requests):
+        log.warning("%s touch failed: %s", system.name, run.requests[0].error)
+    return system.worker_restarts() - before
+
+
 def run_serve(cfg: ServeConfig) -> dict[str, Any]:
     """Run everything; returns the report document (see bench/report.py)."""
     from mlx_lm.utils import load_tokenizer
@@ -107,6 +125,7 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
     log.info("server logs in %s (removed after a clean run)", run_dir)
     runs: dict[tuple[str, int], list[RunResult]] = {}
     warmup: dict[str, Any] = {}
+    touches: dict[str, int] = {}  # worker restarts that happened during touches
     load_before = os.getloadavg()
     started = time.monotonic()
     ok = False
@@ -126,6 +145,8 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
                 prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
                 shift = (rep * len(cfg.concurrency) + ci) % len(systems)
                 for system in systems[shift:] + systems[:shift]:
+                    if cfg.touch:
+                        touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
                     restarts = system.worker_restarts()
                     run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
                                      repetition=rep, timeout_s=cfg.workload_timeout_s)
@@ -145,7 +166,7 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             "machine": _machine(), "model": model_info, "max_tokens": cfg.max_tokens,
             "prompt_tokens": target, "prompt_tokens_label": cfg.prompt_tokens,
             "requests": cfg.num_requests, "repeats": cfg.repeats, "concurrency": cfg.concurrency,
-            "systems": described, "duration_s": round(time.monotonic() - started, 1),
+            "systems": described, "touch": cfg.touch, "worker_restarts_during_touches": touches, "duration_s": round(time.monotonic() - started, 1),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "argv": sys.argv}
     return report.build(meta, summaries, warmup)

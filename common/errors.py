@@ -11,6 +11,7 @@
     │   ├── NoWorker                      no worker can serve (failed, shutting down)
     │   ├── QueueTimeout                  waited past --queue-timeout
     │   ├── WorkerLost                    its worker died while it ran
+    │   ├── MemoryPressure                evicted: another process took the memory
     │   └── RequestQuarantined            in flight at two worker deaths: do not retry
     ├── ProtocolError                     a bad frame; counted and dropped, never reaches HTTP
     └── ConfigError                       a bad flag, env var or config file entry
@@ -34,6 +35,7 @@ __all__ = [
     "NoWorker",
     "QueueTimeout",
     "WorkerLost",
+    "MemoryPressure",
     "RequestQuarantined",
     "ProtocolError",
     "ConfigError",
@@ -138,6 +140,13 @@ class WorkerLost(Unavailable):
 
     code = "worker_lost"
     retry_after_s = 2
+
+
+class MemoryPressure(Unavailable):
+    """Evicted because another process took the memory it was promised. Recoverable."""
+
+    code = "memory_pressure"
+    retry_after_s = 5
 
 
 class RequestQuarantined(Unavailable):

@@ -65,7 +65,8 @@ class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
-    ERROR = "error"
+    ERROR = "error"          # a caught memory error failed the step: retryable
+    EVICTED = "evicted"      # memory was taken by another process: retryable
 
 
 class RejectReason(StrEnum):

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from common.costmodel import CostModel
 from common.errors import (
-    BadRequest, InsufficientMemory, ContextLengthExceeded, NoWorker, ProtocolError,
+    BadRequest, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker, ProtocolError,
     QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
@@ -298,6 +298,11 @@ class Dispatcher:
             if finish == FinishReason.ERROR:
                 del link.in_flight[request_id]
                 job.fail(WorkerLost("the worker failed this request (memory error); retry shortly"))
+                continue
+            if finish == FinishReason.EVICTED:
+                del link.in_flight[request_id]
+                job.fail(MemoryPressure("another process took the memory this request was "
+                                        "promised; it was stopped, retry shortly"))
                 continue
             if finish is not None:
                 del link.in_flight[request_id]

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from worker.memory import wait_for_memory
+
 log = logging.getLogger(__name__)
 
 # When a config names no context length, assume this (the common llama-family default).
@@ -61,8 +65,16 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_model(model: str, env: Mapping[str, str]) -> LoadedModel:
+def weights_on_disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float = 30.0) -> LoadedModel:
     path = resolve_path(model, env)
+    needed = int(weights_on_disk_bytes(path) * 1.1)
+    if not wait_for_memory(lambda: psutil.virtual_memory().available, needed, wait_for_memory_s):
+        log.warning("only %d MiB available for %d MiB of weights after waiting %.0fs; loading anyway",
+                    psutil.virtual_memory().available >> 20, needed >> 20, wait_for_memory_s)
     try:
         import mlx_lm
 

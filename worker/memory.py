@@ -249,3 +249,55 @@ class MemoryState:
             "reported_at": time.time(),
             "cost_model": self.model.to_dict(),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PressureAction:
+    """What to do when memory shrank under running work (another app took it)."""
+
+    admit: bool            # False: take nothing new until the shortage ends
+    chunk_tokens: int      # the prefill chunk to use now
+    evict: int             # how many of the newest running requests to cancel (503, retryable)
+
+
+def pressure_action(m: CostModel, *, headroom_bytes: int, reserved_bytes: int,
+                    allocated_bytes: int, running_totals: list[int], chunk_tokens: int) -> PressureAction:
+    """Stop admitting, then shrink the chunk, and only then evict the newest requests.
+
+    ``running_totals`` is oldest first. ``reserved - allocated`` is what running requests
+    were promised but have not used yet; while headroom covers it there is no pressure.
+    """
+    from common.costmodel import MIN_CHUNK_TOKENS, batch_cost_bytes, safe_prefill_chunk
+
+    promised = max(0, reserved_bytes - allocated_bytes)
+    if headroom_bytes >= promised:
+        return PressureAction(admit=True, chunk_tokens=chunk_tokens, evict=0)
+    longest = max(running_totals, default=0)
+    chunk = min(chunk_tokens, safe_prefill_chunk(m, max(0, headroom_bytes - promised), longest or 1))
+    # Evict newest first until what the rest were promised fits in what is left.
+    totals = list(running_totals)
+    evict = 0
+    while len(totals) > 1:
+        need = batch_cost_bytes(m, len(totals), max(totals), MIN_CHUNK_TOKENS, 0, max(totals))
+        if need - allocated_bytes <= headroom_bytes:
+            break
+        totals.pop()
+        evict += 1
+    return PressureAction(admit=False, chunk_tokens=chunk, evict=evict)
+
+
+def wait_for_memory(read_available: Any, needed_bytes: int, timeout_s: float,
+                    sleep: Any = time.sleep, clock: Any = time.monotonic) -> bool:
+    """A restarted worker waits (bounded) for memory its dead predecessor still held.
+
+    The OS frees a killed process's memory asynchronously (and on macOS, Metal's wired
+    memory a little later); loading into it at once would undercount headroom.
+    """
+    deadline = clock() + timeout_s
+    while True:
+        available = read_available()
+        if available >= needed_bytes:
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(min(0.25, max(0.0, deadline - clock())))

@@ -25,8 +25,9 @@ from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
 )
-from worker.engine import ChunkPacer, Engine, Output
-from worker.memory import MemoryState
+from worker.engine import Engine, Output
+from worker.pacer import ChunkPacer
+from worker.memory import MemoryState, pressure_action
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class WorkerServer:
         self._hello_sent_at = 0.0
         self._worst_step_s = 0.0
         self._last_totals: list[int] = []
+        self.under_pressure = False
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
 
@@ -131,7 +133,8 @@ class WorkerServer:
 
     def loop_once(self) -> None:
         self.receive(timeout_ms=0 if self.engine.has_work else IDLE_POLL_MS)
-        outputs = self.step()
+        outputs = self.relieve_pressure()
+        outputs += self.step()
         self.publish(outputs)
         if self.opts.wedge_after_steps is not None and self.engine.num_steps >= self.opts.wedge_after_steps:
             self._wedge()
@@ -225,6 +228,8 @@ class WorkerServer:
             return reject(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
         if len(self.engine.running) >= self.opts.max_running:
             return reject(RejectReason.NOT_NOW, "running cap reached")
+        if self.under_pressure:
+            return reject(RejectReason.NOT_NOW, "memory taken by another process")
         if not self.opts.admission:
             return None
         m = self.memory.model
@@ -257,6 +262,39 @@ class WorkerServer:
 
     # -- step ------------------------------------------------------------------------
 
+    def relieve_pressure(self) -> list[Output]:
+        """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
+        mem = self.memory
+        if not self.opts.admission or not self.engine.has_work:
+            self.under_pressure = False
+            return []
+        mem.refresh()
+        r = mem.last
+        assert r is not None
+        allocated = max(0, r.active_bytes - mem.weights_bytes - mem.baseline_bytes)
+        action = pressure_action(mem.model, headroom_bytes=mem.headroom_bytes(),
+                                 reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
+                                 running_totals=self.engine.totals(), chunk_tokens=self.chunk_tokens)
+        if not action.admit and r.cache_bytes:
+            mem.probe.clear_cache()  # reclaimable: try that before anything drastic
+            return []
+        if action.admit != (not self.under_pressure):
+            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B",
+                        "ended" if action.admit else "began", mem.headroom_bytes(),
+                        mem.reserved_bytes, allocated)
+        self.under_pressure = not action.admit
+        if self.under_pressure:
+            self.engine.set_prefill_step(action.chunk_tokens)
+            self.chunk_tokens = action.chunk_tokens
+        evicted = list(self.engine.running)[len(self.engine.running) - action.evict:] if action.evict else []
+        for request_id in evicted:
+            log.warning("evicting %s: memory taken by another process", request_id)
+            self.engine.cancel(request_id)
+        if evicted:
+            self._rebase_reservation()
+            self._changed = True
+        return [Output(rid, [], FinishReason.EVICTED) for rid in evicted]
+
     def step(self) -> list[Output]:
         if not self.engine.has_work:
             return []
@@ -282,7 +320,7 @@ class WorkerServer:
     def _size_chunk(self) -> None:
         """The next prefill chunk: within the step-time budget and, with admission, memory."""
         rows = self.engine.prefill_rows()
-        if rows == 0:
+        if rows == 0 or self.under_pressure:
             return
         chunk = self.pacer.chunk(rows)
         if self.opts.admission:

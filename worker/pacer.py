@@ -1,0 +1,34 @@
+"""Step-time pacing of prefill chunks. Pure: no MLX, no clocks (callers pass durations)."""
+
+from __future__ import annotations
+
+
+class ChunkPacer:
+    """Caps prefill work per step by time, so a healthy slow step never looks like a hang.
+
+    Learns prefill throughput (tokens/s) from the steps it sees and sizes the next chunk to
+    take about ``budget_s``. Until it has a measurement it starts small.
+    """
+
+    def __init__(self, budget_s: float, max_chunk: int, first_chunk: int = 64) -> None:
+        self.budget_s = budget_s
+        self.max_chunk = max_chunk
+        self.first_chunk = min(first_chunk, max_chunk)
+        self.tokens_per_s: float | None = None
+
+    def observe(self, prefill_tokens: int, seconds: float) -> None:
+        if prefill_tokens <= 0 or seconds <= 0:
+            return
+        rate = prefill_tokens / seconds
+        # Weight the slow side: a step that took longer than expected should shrink at once.
+        if self.tokens_per_s is None or rate < self.tokens_per_s:
+            self.tokens_per_s = rate
+        else:
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
+
+    def chunk(self, rows: int) -> int:
+        """Tokens per row for the next prefill chunk."""
+        if self.tokens_per_s is None:
+            return self.first_chunk
+        per_row = int(self.tokens_per_s * self.budget_s / max(rows, 1))
+        return max(16, min(self.max_chunk, per_row))
