@@ -39,6 +39,7 @@ __all__ = [
     "Message",
     "encode",
     "decode",
+    "peek_hello",
     "ExitCode",
 ]
 
@@ -255,3 +256,19 @@ def _conforms(value: Any, hint: Any) -> bool:
     if origin is dict:
         return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     return False
+
+
+def peek_hello(frame: bytes) -> dict[str, Any] | None:
+    """Leniently read a hello of *another* protocol version, to show it as refused.
+
+    Returns the few fields an operator needs (version, pid, package version), or None.
+    Never raises.
+    """
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception:
+        return None
+    if not isinstance(body, dict) or body.get("type") != "hello":
+        return None
+    fields = ("v", "pid", "package_version", "incarnation", "model_id")
+    return {k: body.get(k) for k in fields if isinstance(body.get(k), (int, str))}

@@ -24,8 +24,8 @@ from common.errors import (
     QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
-    MAX_FRAME_BYTES, Cancel, FinishReason, Generate, Heartbeat, Hello,
-    Reject, RejectReason, Shutdown, Status, Tokens, decode, encode,
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, FinishReason, Generate, Heartbeat, Hello,
+    Reject, RejectReason, Shutdown, Status, Tokens, decode, encode, peek_hello,
 )
 from router import admission
 from router.backlog import Backlog
@@ -82,6 +82,7 @@ class Dispatcher:
         self.on_shutdown: Callable[[int, str], None] = lambda incarnation, reason: None
         self.ready = asyncio.Event()          # set while a worker has said hello
         self.unavailable: str | None = None   # why no worker will come (failed, draining)
+        self.refused: dict[str, Any] | None = None  # the last worker refused for its version
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -230,11 +231,23 @@ class Dispatcher:
                 msg = decode(payload)
             except ProtocolError as exc:
                 self._count_bad(exc.message)
+                self._note_mismatch(bytes(payload))
                 continue
             try:
                 self._handle(identity, msg)
             except Exception:  # a bug in one handler must not end the receive loop
                 log.exception("error handling a %s message", msg.type)
+
+    def _note_mismatch(self, frame: bytes) -> None:
+        """A worker speaking another protocol version is refused, and shown in /health."""
+        hello = peek_hello(frame)
+        if hello is None or hello.get("v") == PROTOCOL_VERSION:
+            return
+        if self.refused != hello:
+            log.error("refused a worker (pid %s, version %s) speaking protocol %s; this router "
+                      "speaks %d: upgrade one of them", hello.get("pid"),
+                      hello.get("package_version"), hello.get("v"), PROTOCOL_VERSION)
+        self.refused = hello
 
     def _count_bad(self, why: str) -> None:
         self.num_bad_frames += 1

@@ -92,6 +92,9 @@ class StatusViews:
             status = "loading tokenizer" if ready else worker["state"]
         body = {"status": status, "model": self.model_id, "queued": len(self.dispatcher.backlog),
                 "workers": [worker]}
+        if self.dispatcher.refused is not None:
+            body["refused_workers"] = [{**self.dispatcher.refused,
+                                        "reason": "protocol version mismatch"}]
         return (200 if ok else 503), body
 
     async def health(self, request: web.Request) -> web.Response:

@@ -88,6 +88,10 @@ def test_admission_keeps_a_tight_limit(fresh_router: Callable[..., Router]) -> N
     final = router.memory()["workers"][0]
     assert final["peak_bytes"] <= final["limit_bytes"]
     assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0
+    # The calibration stayed honest: every step's measured peak was within its prediction,
+    # or the worker grew its cost model (and, as the same pid shows, nothing aborted).
+    assert final["worst_measured_over_predicted"] > 0
+    assert final["worst_measured_over_predicted"] <= 1.0 or final["cost_model"]["scale"] > 1.0
 
 
 def test_without_admission_the_guard_aborts_and_the_router_survives(
