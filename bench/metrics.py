@@ -39,6 +39,7 @@ class RunResult:
     wall_s: float
     requests: list[RequestResult]
     worker_restarts: int = 0            # supervised worker restarts during this run
+    cpu_s: float = math.nan             # CPU seconds the system's processes used in it
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -73,13 +74,14 @@ class Summary:
     tokens_per_s_by_rep: list[float]
     error_samples: list[str]
     worker_restarts: int
+    cpu_ms_per_token: float             # Σ system CPU / Σ tokens: robust to a busy box
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 FIGURES: tuple[str, ...] = ("tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
-                            "itl_p50_ms", "itl_p99_ms")
+                            "itl_p50_ms", "itl_p99_ms", "cpu_ms_per_token")
 
 
 def summarize(runs: list[RunResult]) -> Summary:
@@ -106,6 +108,7 @@ def summarize(runs: list[RunResult]) -> Summary:
         chunks_per_request=(sum(r.num_chunks for r in good) / len(good)) if good else math.nan,
         tokens_per_s_by_rep=by_rep, error_samples=sorted(set(errors))[:5],
         worker_restarts=sum(run.worker_restarts for run in runs),
+        cpu_ms_per_token=sum(run.cpu_s for run in runs) / tokens * 1e3 if tokens else math.nan,
     )
 
 

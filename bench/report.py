@@ -3,6 +3,8 @@
 Derived (all at concurrency 1 unless said; formulas also in bench/README.md):
 - overhead_us_per_token[s] = (1/tps[s] − 1/tps[inprocess]) × 1e6: the wall time a server
   adds per generated token over the bare BatchGenerator loop.
+- cpu_overhead_us_per_token[s][c] = (cpu_ms_per_token[s] − cpu_ms_per_token[inprocess]) × 1e3,
+  at every concurrency: the CPU a server burns per token beyond the model's own.
 - added_ttft_ms[s] = ttft_p50[s] − ttft_p50[inprocess]: what HTTP, tokenizing, queueing
   and IPC add before the first token.
 - tps_ratio_vs_headroom[s][c] = tps[s] / tps[headroom]; tps_ratio_vs_inprocess likewise.
@@ -25,6 +27,7 @@ def derive(summaries: dict[str, dict[int, Summary]]) -> tuple[dict[str, Any], li
     """The derived figures, and notes saying why any of them is missing or not > 0."""
     notes: list[str] = []
     out: dict[str, Any] = {"overhead_us_per_token": {}, "added_ttft_ms": {},
+                           "cpu_overhead_us_per_token": {},
                            "tps_ratio_vs_headroom": {}, "tps_ratio_vs_inprocess": {}}
     floor = summaries.get(INPROC, {}).get(1)
     servers = [s for s in summaries if s != INPROC]
@@ -37,6 +40,11 @@ def derive(summaries: dict[str, dict[int, Summary]]) -> tuple[dict[str, Any], li
         if is_good(mine.tokens_per_s) and is_good(floor.tokens_per_s):
             out["overhead_us_per_token"][s] = (1 / mine.tokens_per_s - 1 / floor.tokens_per_s) * 1e6
         out["added_ttft_ms"][s] = mine.ttft_p50_ms - floor.ttft_p50_ms
+    for s in servers:  # CPU time is far less disturbed by a busy machine than wall time
+        floors = summaries.get(INPROC, {})
+        out["cpu_overhead_us_per_token"][s] = {
+            str(c): (v.cpu_ms_per_token - floors[c].cpu_ms_per_token) * 1e3
+            for c, v in summaries[s].items() if c in floors}
     for key, base in (("tps_ratio_vs_headroom", HEADROOM), ("tps_ratio_vs_inprocess", INPROC)):
         if base not in summaries:
             notes.append(f"{key} needs the {base} system")
@@ -108,7 +116,8 @@ def render(doc: dict[str, Any]) -> str:
     """The table printed to stdout."""
     d = doc["derived"]
     head = (f"{'system':<14}{'c':>3}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
-            f"{'p99':>8}{'TPOT':>7}{'chunk/req':>10}{'err':>5}{'÷headroom':>10}{'÷inproc':>9}")
+            f"{'p99':>8}{'TPOT':>7}{'chunk/req':>10}{'CPU/tok':>8}{'err':>5}{'÷headroom':>10}"
+            f"{'÷inproc':>9}")
     lines = [f"model {doc['meta']['model']['name']} ({doc['meta']['model']['folder']}), "
              f"max_tokens {doc['meta']['max_tokens']}, prompt ~{doc['meta']['prompt_tokens']} tokens, "
              f"{doc['meta']['requests']} requests x {doc['meta']['repeats']} repeats per workload",
@@ -120,14 +129,15 @@ def render(doc: dict[str, Any]) -> str:
                 f"{s:<14}{c:>3}{_fmt(r['tokens_per_s'], 1):>9}{_fmt(r['requests_per_s']):>8}"
                 f"{_fmt(r['ttft_p50_ms']):>10}{_fmt(r['ttft_p99_ms']):>8}{_fmt(r['itl_p50_ms']):>9}"
                 f"{_fmt(r['itl_p99_ms']):>8}{_fmt(r['tpot_ms']):>7}{_fmt(r['chunks_per_request'], 1):>10}"
-                f"{r['errors']:>5}{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(c), 3):>10}"
+                f"{_fmt(r['cpu_ms_per_token']):>8}{r['errors']:>5}{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(c), 3):>10}"
                 f"{_fmt(d['tps_ratio_vs_inprocess'].get(s, {}).get(c), 3):>9}")
     lines.append("")
-    lines.append("overhead per token vs inprocess at c=1, (1/tps_sys - 1/tps_inproc)*1e6 us; "
-                 "added TTFT = TTFT p50 sys - TTFT p50 inproc at c=1:")
+    lines.append("vs inprocess: overhead = (1/tps_sys - 1/tps_inproc)*1e6 us/token at c=1; added TTFT = "
+                 "TTFT p50 sys - TTFT p50 inproc at c=1; extra CPU = CPU/tok sys - CPU/tok inproc")
     for s in sorted(d["overhead_us_per_token"].keys() | d["added_ttft_ms"].keys()):
+        cpu = "  ".join(f"c={c} {_fmt(v, 0)}" for c, v in d["cpu_overhead_us_per_token"].get(s, {}).items())
         lines.append(f"  {s:<14} overhead {_fmt(d['overhead_us_per_token'].get(s), 1):>8} us/token   "
-                     f"added TTFT {_fmt(d['added_ttft_ms'].get(s)):>7} ms")
+                     f"added TTFT {_fmt(d['added_ttft_ms'].get(s)):>7} ms   extra CPU us/token: {cpu}")
     lines.append("")
     lines.append("targets (not asserted):")
     for t in doc["targets"]:

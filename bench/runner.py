@@ -147,9 +147,10 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
                 for system in systems[shift:] + systems[:shift]:
                     if cfg.touch:
                         touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
-                    restarts = system.worker_restarts()
+                    restarts, cpu_s = system.worker_restarts(), system.cpu_s()
                     run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
                                      repetition=rep, timeout_s=cfg.workload_timeout_s)
+                    run.cpu_s = system.cpu_s() - cpu_s
                     run.worker_restarts = system.worker_restarts() - restarts
                     log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
                              sum(r.completion_tokens for r in run.requests if r.ok) / run.wall_s,

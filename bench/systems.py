@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -43,6 +44,10 @@ class System(Protocol):
 
     def worker_restarts(self) -> int:
         """Restarts of a supervised worker so far (0 for systems without one)."""
+        ...
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) its processes have used so far."""
         ...
 
     def stop(self) -> None: ...
@@ -82,6 +87,22 @@ class HttpSystem:
 
     def worker_restarts(self) -> int:
         return 0
+
+    def cpu_s(self) -> float:
+        """The server and its children (Headroom's worker is the router's child)."""
+        import psutil
+
+        assert self.proc.popen is not None
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.popen.pid)
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+        return total
 
     def stop(self) -> None:
         code = self.proc.stop()
@@ -169,6 +190,10 @@ class InProcessSystem:
 
     def worker_restarts(self) -> int:
         return 0
+
+    def cpu_s(self) -> float:
+        # This process: while the in-process system runs, nothing else here does work.
+        return time.process_time()
 
     def stop(self) -> None:
         if self.engine is not None:

@@ -21,10 +21,12 @@ from typing import Any, TypeVar
 
 from common.errors import ConfigError
 
-__all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt"]
+__all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt",
+           "permanent_exit"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OOM_GUARDS = ("abort", "raise", "off")
+SERVICE_MANAGERS = ("none", "launchd", "systemd")
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: Sequence[str] = (),
@@ -45,6 +47,8 @@ def _check_common(cfg: Any) -> None:
         raise ConfigError(f"--max-running-requests must be > 0, got {cfg.max_running_requests}")
     if cfg.oom_guard is not None and cfg.oom_guard not in OOM_GUARDS:
         raise ConfigError(f"--oom-guard must be one of {OOM_GUARDS}, got {cfg.oom_guard!r}")
+    if cfg.service_manager not in SERVICE_MANAGERS:
+        raise ConfigError(f"--service-manager must be one of {SERVICE_MANAGERS}, got {cfg.service_manager!r}")
     if not cfg.model:
         raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
 
@@ -77,6 +81,9 @@ class RouterConfig:
         None, "Spawned worker's OOM guard: abort|raise|off.", choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
+    service_manager: str = opt(
+        "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
+        "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
     worker_arg: tuple[str, ...] = opt(
         (), "Extra argument passed to the spawned worker (repeatable).", hidden=True)
 
@@ -115,6 +122,9 @@ class WorkerConfig:
     max_batch_size: int = opt(32, "Most sequences decoded together.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
     log_format: str = opt("text", "Log format.", choices=("text", "json"))
+    service_manager: str = opt(
+        "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
+        "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
     incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
     test_wedge_after_steps: int | None = opt(
@@ -254,3 +264,20 @@ def _read_file(cls: type, path: Path, section: str, *, explicit: bool) -> dict[s
 def env_snapshot() -> dict[str, str]:
     """The one read of the environment, for main()."""
     return dict(os.environ)
+
+
+def permanent_exit(code: int, argv: Sequence[str], service_manager: str | None = None) -> int:
+    """The exit code for a failure that will repeat: 0 under launchd, so it is not respawned.
+
+    launchd's KeepAlive can only tell success from failure; systemd filters the real code
+    (RestartPreventExitStatus), and a spawning router reads it too.
+    """
+    manager = service_manager
+    if manager is None:  # the config did not parse: look for the flag by hand
+        args = list(argv)
+        for i, arg in enumerate(args):
+            if arg == "--service-manager" and i + 1 < len(args):
+                manager = args[i + 1]
+            elif arg.startswith("--service-manager="):
+                manager = arg.split("=", 1)[1]
+    return 0 if manager == "launchd" else code

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from common.config import RouterConfig, env_snapshot, load
+from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
-        return 2
+        return permanent_exit(2, args)
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
     try:
         return asyncio.run(serve(cfg, addr, env))

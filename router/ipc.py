@@ -47,9 +47,13 @@ def check_addr(addr: str) -> None:
 
 
 def lock_addr(addr: str) -> IO[str] | None:
-    """Hold an exclusive lock beside an ipc socket for the router's lifetime."""
+    """Hold an exclusive lock beside an ipc socket for the router's lifetime.
+
+    The socket's directory is created 0700 if missing: only this user may connect.
+    """
     if not addr.startswith("ipc://"):
         return None
+    Path(addr[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock_path = addr[len("ipc://"):] + ".lock"
     fh = open(lock_path, "w")
     try:

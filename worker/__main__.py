@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.config import WorkerConfig, env_snapshot, load
+from common.config import WorkerConfig, env_snapshot, load, permanent_exit
 from common.errors import ConfigError
 from common.log import setup_logging
 from common.protocol import ExitCode
@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load(WorkerConfig, sys.argv[1:] if argv is None else argv, env, prog="mlx-worker")
     except ConfigError as exc:
         print(f"mlx-worker: {exc.message}", file=sys.stderr)
-        return ExitCode.CONFIG_ERROR
+        return permanent_exit(ExitCode.CONFIG_ERROR, sys.argv[1:] if argv is None else argv)
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker")
     incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
 
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model(cfg.model, env)
     except LoadError as exc:
         log.error("model failed to load: %s", exc)
-        return ExitCode.LOAD_ERROR
+        return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
 
     from worker.boot import build_server, NotEnoughMemory
 
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = build_server(cfg, loaded, incarnation, _cache_dir(env))
     except NotEnoughMemory as exc:
         log.error("%s", exc)
-        return ExitCode.NO_MEMORY
+        return permanent_exit(ExitCode.NO_MEMORY, (), cfg.service_manager)
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
     return server.run()

@@ -1,0 +1,245 @@
+"""`mlx-router service install|uninstall|status` and `mlx-router status`.
+
+Two jobs, as on a production Mac: the router (`--worker-mode external`) and the worker,
+which connects to it over an ipc:// socket in a runtime directory only the user can read.
+On macOS they are launchd agents (or daemons with --system); on Linux, systemd units.
+The job definitions are built here as data (plistlib / unit text); `deploy/` holds
+renderings of them with placeholder values, checked against this code by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LABEL_PREFIX = "org.mlx-headroom"
+JOBS = ("router", "worker")
+# launchd's minimum respawn interval; also the gap between restarts of a crashing worker.
+THROTTLE_S = 10
+# Longer than the router's default drain (30 s), so launchd never SIGKILLs a draining router.
+EXIT_TIMEOUT_S = 45
+# Worker exits that will fail again (config, load, memory, protocol): systemd must not
+# restart on them. launchd cannot filter by code, so under it they exit 0 instead.
+PERMANENT_EXIT_CODES = (2, 3, 4, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """Everything a rendering needs; built from the command line and the environment."""
+
+    model: str
+    host: str
+    port: int
+    home: Path
+    bin_dir: Path
+    runtime_dir: Path
+    system: bool = False
+    user: str = ""
+    flags: list[str] = field(default_factory=list)      # extra router flags
+    worker_flags: list[str] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return f"ipc://{self.runtime_dir / f'router-{self.port}.sock'}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "Library" / "Logs" / "mlx-headroom"
+
+    def argv(self, job: str, manager: str) -> list[str]:
+        if job == "router":
+            return [str(self.bin_dir / "mlx-router"), "--model", self.model, "--host", self.host,
+                    "--port", str(self.port), "--worker-mode", "external", "--worker-addr",
+                    self.addr, "--service-manager", manager, *self.flags]
+        return [str(self.bin_dir / "mlx-worker"), "--model", self.model, "--router", self.addr,
+                "--service-manager", manager, *self.worker_flags]
+
+    def environment(self) -> dict[str, str]:
+        # launchd starts jobs with a bare environment: give what Python and the cache need.
+        return {"PATH": f"{self.bin_dir}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(self.home),
+                "XDG_RUNTIME_DIR": str(self.runtime_dir.parent), "PYTHONUNBUFFERED": "1"}
+
+
+def label(job: str) -> str:
+    return f"{LABEL_PREFIX}.{job}"
+
+
+def launchd_plist(spec: ServiceSpec, job: str) -> dict[str, Any]:
+    """A launchd job: restarted when it crashes (non-zero exit), not when it exits 0."""
+    plist: dict[str, Any] = {
+        "Label": label(job),
+        "ProgramArguments": spec.argv(job, "launchd"),
+        "EnvironmentVariables": spec.environment(),
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": THROTTLE_S,
+        "ExitTimeOut": EXIT_TIMEOUT_S,
+        "ProcessType": "Interactive",
+        "StandardOutPath": str(spec.log_dir / f"{job}.out.log"),
+        "StandardErrorPath": str(spec.log_dir / f"{job}.err.log"),
+        "WorkingDirectory": str(spec.home),
+    }
+    if spec.system:
+        plist["UserName"] = spec.user
+    return plist
+
+
+def systemd_unit(spec: ServiceSpec, job: str) -> str:
+    """A systemd unit: restarted on failure, except for exits that will fail again."""
+    env = " ".join(f'"{k}={v}"' for k, v in sorted(spec.environment().items()))
+    after = "" if job == "router" else f"After={label('router')}.service\nWants={label('router')}.service\n"
+    user = f"User={spec.user}\n" if spec.system else ""
+    target = "multi-user.target" if spec.system else "default.target"
+    return (
+        f"[Unit]\nDescription=Headroom {job} (mlx-headroom)\n{after}\n"
+        f"[Service]\nType=simple\n{user}ExecStart={_quote(spec.argv(job, 'systemd'))}\n"
+        f"Environment={env}\nRestart=on-failure\nRestartSec=1\n"
+        f"RestartPreventExitStatus={' '.join(map(str, PERMANENT_EXIT_CODES))}\n"
+        f"TimeoutStopSec={EXIT_TIMEOUT_S}\nKillSignal=SIGTERM\n\n"
+        f"[Install]\nWantedBy={target}\n")
+
+
+def _quote(argv: Sequence[str]) -> str:
+    return " ".join(a if a and all(c.isalnum() or c in "-_./:=@" for c in a) else json.dumps(a)
+                    for a in argv)
+
+
+def destination(spec: ServiceSpec, job: str, platform: str) -> Path:
+    if platform == "darwin":
+        folder = Path("/Library/LaunchDaemons") if spec.system else spec.home / "Library" / "LaunchAgents"
+        return folder / f"{label(job)}.plist"
+    folder = Path("/etc/systemd/system") if spec.system else spec.home / ".config" / "systemd" / "user"
+    return folder / f"{label(job)}.service"
+
+
+def render(spec: ServiceSpec, job: str, platform: str) -> bytes:
+    if platform == "darwin":
+        return plistlib.dumps(launchd_plist(spec, job))
+    return systemd_unit(spec, job).encode()
+
+
+def commands(spec: ServiceSpec, verb: str, platform: str) -> list[list[str]]:
+    """The service-manager commands for install / uninstall / status."""
+    if platform == "darwin":
+        domain = "system" if spec.system else f"gui/{os.getuid()}"
+        paths = [str(destination(spec, job, platform)) for job in JOBS]
+        if verb == "install":
+            return [["launchctl", "bootstrap", domain, p] for p in paths]
+        if verb == "uninstall":
+            return [["launchctl", "bootout", f"{domain}/{label(job)}"] for job in JOBS]
+        return [["launchctl", "print", f"{domain}/{label(job)}"] for job in JOBS]
+    ctl = ["systemctl"] if spec.system else ["systemctl", "--user"]
+    units = [f"{label(job)}.service" for job in JOBS]
+    if verb == "install":
+        return [[*ctl, "daemon-reload"], [*ctl, "enable", "--now", *units]]
+    if verb == "uninstall":
+        return [[*ctl, "disable", "--now", *units], [*ctl, "daemon-reload"]]
+    return [[*ctl, "status", "--no-pager", *units]]
+
+
+def example_spec(system: bool = False) -> ServiceSpec:
+    """The placeholder values of the renderings under deploy/ (regenerated by the tests)."""
+    home = Path("/Users/YOU")
+    return ServiceSpec(model=str(home / "models" / "MODEL"), host="127.0.0.1", port=8080,
+                       home=home, bin_dir=home / "headroom" / ".venv" / "bin",
+                       runtime_dir=home / ".local" / "run" / "mlx-headroom", system=system,
+                       user="YOU" if system else "")
+
+
+def make_spec(ns: argparse.Namespace, env: Mapping[str, str]) -> ServiceSpec:
+    home = Path(env.get("HOME", str(Path.home())))
+    model = ns.model
+    if model != "demo" and (model.startswith(("~", ".", "/")) or Path(model).exists()):
+        # launchd and systemd neither expand ~ nor start in this directory.
+        model = str(Path(model).expanduser().resolve())
+    runtime = Path(ns.runtime_dir) if ns.runtime_dir else home / ".local" / "run" / "mlx-headroom"
+    bin_dir = Path(ns.bin_dir) if ns.bin_dir else Path(sys.executable).parent
+    return ServiceSpec(model=model, host=ns.host, port=ns.port, home=home, bin_dir=bin_dir,
+                       runtime_dir=runtime, system=ns.system, user=env.get("USER", ""),
+                       flags=list(ns.router_flag or []), worker_flags=list(ns.worker_flag or []))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-router service",
+                                description="Install the router and worker as login services.")
+    p.add_argument("verb", choices=("install", "uninstall", "status"))
+    p.add_argument("--model", default="demo")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--system", action="store_true",
+                   help="A LaunchDaemon / system unit that serves after a reboot without a login (sudo).")
+    p.add_argument("--dry-run", action="store_true", help="Print what would be written and run.")
+    p.add_argument("--router-flag", action="append", help="An extra router flag (repeatable).")
+    p.add_argument("--worker-flag", action="append", help="An extra worker flag (repeatable).")
+    p.add_argument("--bin-dir", help="Where mlx-router and mlx-worker are (default: this Python's).")
+    p.add_argument("--runtime-dir", help="The 0700 directory for the ipc socket.")
+    p.add_argument("--platform", choices=("darwin", "linux"), default=sys.platform,
+                   help=argparse.SUPPRESS)
+    return p
+
+
+def run_command(args: Sequence[str], env: Mapping[str, str]) -> int:
+    if args[0] == "status":
+        return print_status(args[1:])
+    ns = parser().parse_args(list(args[1:]))
+    platform = "darwin" if ns.platform == "darwin" else "linux"
+    spec = make_spec(ns, env)
+    if ns.verb == "install":
+        for job in JOBS:
+            path = destination(spec, job, platform)
+            print(f"# write {path}\n{render(spec, job, platform).decode()}")
+            if not ns.dry_run:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(render(spec, job, platform))
+        if not ns.dry_run:
+            spec.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+    rc = 0
+    for cmd in commands(spec, ns.verb, platform):
+        print("# run " + " ".join(cmd))
+        if not ns.dry_run:
+            rc = _run(cmd) or rc
+    if ns.verb == "uninstall" and not ns.dry_run:
+        for job in JOBS:
+            destination(spec, job, platform).unlink(missing_ok=True)
+    return rc
+
+
+def _run(cmd: list[str]) -> int:
+    if shutil.which(cmd[0]) is None:
+        print(f"mlx-router: {cmd[0]} is not available on this machine", file=sys.stderr)
+        return 1
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    return done.returncode
+
+
+def print_status(args: Sequence[str]) -> int:
+    """`mlx-router status [--host H] [--port P]`: what the running router says of itself."""
+    p = argparse.ArgumentParser(prog="mlx-router status")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    ns = p.parse_args(list(args))
+    url = f"http://{ns.host}:{ns.port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        body = json.load(exc)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"mlx-router: no router answers at {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(body, indent=2))
+    return 0 if body.get("status") == "ok" else 1
