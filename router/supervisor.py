@@ -114,6 +114,9 @@ class Supervisor:
         self.num_restarts = 0
         self.last_exit: ExitRecord | None = None
         self.ready_at: float | None = None
+        self.last_start_s: float | None = None
+        self.last_backoff_s: float | None = None
+        self._spawned_at: float | None = None
         self._deaths_after_ready: collections.deque[float] = collections.deque()
         self._deaths_before_ready = 0
         self._consecutive = 0
@@ -172,6 +175,9 @@ class Supervisor:
         self.incarnation = hello.incarnation
         self.pid = hello.pid
         self.ready_at = self.clock()
+        if self._spawned_at is not None:
+            # mlx import + model load + calibration: what a restart costs before routing.
+            self.last_start_s = round(self.ready_at - self._spawned_at, 3)
         self._deaths_before_ready = 0
         self._set(WorkerState.READY, "serving")
 
@@ -207,6 +213,7 @@ class Supervisor:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
         self._proc, self.pid = proc, proc.pid
+        self._spawned_at = self.clock()
         log.info("spawned worker pid %d (incarnation %d)", proc.pid, self.incarnation)
         relay = asyncio.create_task(self._relay_stderr(proc))
         returncode = await proc.wait()
@@ -238,6 +245,7 @@ class Supervisor:
             self._set(WorkerState.FAILED, f"worker keeps failing: {why}")
             return None
         self.num_restarts += 1
+        self.last_backoff_s = delay
         self.metrics.worker_restarts.inc()
         self._set(WorkerState.RESTARTING, why)
         return delay
@@ -317,4 +325,6 @@ class Supervisor:
         return {"state": self.state.value, "reason": self.reason, "pid": self.pid,
                 "incarnation": self.incarnation, "restarts": self.num_restarts,
                 "mode": "spawn" if self.spawn_spec else "external",
+                "last_start_s": self.last_start_s,
+                "last_backoff_s": self.last_backoff_s,
                 "last_exit": self.last_exit.to_dict() if self.last_exit else None}
