@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,9 @@ class Calibration:
         """
         return dataclasses.replace(
             static,
-            prefill_a_bytes=max(self.prefill_a_bytes * FIT_MARGIN, static.prefill_a_bytes),
-            prefill_c_bytes=max(self.prefill_c_bytes * FIT_MARGIN, static.prefill_c_bytes),
-            kv_bytes_per_token=max(self.kv_bytes_per_token, static.kv_bytes_per_token),
+            prefill_a_bytes=max(static.prefill_a_bytes, self.prefill_a_bytes * FIT_MARGIN),
+            prefill_c_bytes=max(static.prefill_c_bytes, self.prefill_c_bytes * FIT_MARGIN),
+            kv_bytes_per_token=max(static.kv_bytes_per_token, self.kv_bytes_per_token),
         )
 
 
@@ -66,9 +67,15 @@ def load_cached(cache_dir: Path, key: str) -> Calibration | None:
     path = cache_dir / f"calibration-{key}.json"
     try:
         data = json.loads(path.read_text())
-        return Calibration(**{**data, "source": "cache"})
+        cal = Calibration(**{**data, "source": "cache"})
     except (OSError, ValueError, TypeError):
         return None
+    numbers = (cal.prefill_a_bytes, cal.prefill_c_bytes, cal.kv_bytes_per_token, cal.seconds)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in numbers):
+        log.warning("ignoring a corrupt calibration cache %s", path)
+        return None
+    return cal
 
 
 def store(cache_dir: Path, key: str, cal: Calibration) -> None:

@@ -1,0 +1,316 @@
+"""Tests for worker/calibrate.py, the pure parts: the fit, applying a calibration to the
+static model, the cache, and the fallbacks of ``calibrate``. The probe itself (which runs
+the model through MLX) is never called here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import worker.calibrate as calibrate_mod
+from common.costmodel import CostModel
+from worker.calibrate import (
+    FIT_MARGIN, PROBE_POINTS, Calibration, cache_key, calibrate, fit, load_cached, store,
+)
+
+FAST = settings(max_examples=200, deadline=None)
+
+
+def make_model(**overrides: Any) -> CostModel:
+    values: dict[str, Any] = dict(
+        kv_bytes_per_token=4096, num_layers=4, prefill_a_bytes=2000.0, prefill_c_bytes=2.0,
+        growth_factor=1.0, budget_bytes=256 << 20, context_length=8192,
+        prefill_step_tokens=512, prefill_batch_size=8)
+    values.update(overrides)
+    return CostModel(**values)
+
+
+class ExplodingModel:
+    """A model that must never be touched: any attribute access fails the probe at once."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the probe ran: model.{name} was read")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the probe ran: the model was called")
+
+
+def synthetic(a: float, c: float, points: Any = PROBE_POINTS) -> list[tuple[int, int, float]]:
+    return [(ch, ctx, a * ch + c * ch * ctx) for ch, ctx in points]
+
+
+def bounds_every_sample(a: float, c: float, points: list[tuple[int, int, float]]) -> bool:
+    for ch, ctx, y in points:
+        predicted = a * ch + c * ch * ctx
+        tolerance = 1e-9 * max(abs(y), abs(a * ch), abs(c * ch * ctx), 1.0)
+        if predicted < y - tolerance:
+            return False
+    return True
+
+
+# -- fit -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("a", "c"), [(2000.0, 2.0), (0.0, 64.0), (123456.0, 0.0),
+                                      (31.5, 0.125), (1.0e6, 512.0)])
+def test_fit_recovers_noiseless_coefficients(a: float, c: float) -> None:
+    fa, fc = fit(synthetic(a, c))
+    assert fa == pytest.approx(a, rel=1e-9, abs=1e-6)
+    assert fc == pytest.approx(c, rel=1e-9, abs=1e-9)
+
+
+@FAST
+@given(a=st.floats(0, 1e7), c=st.floats(0, 1e4))
+def test_fit_recovers_any_noiseless_pair(a: float, c: float) -> None:
+    fa, fc = fit(synthetic(a, c))
+    assert fa == pytest.approx(a, rel=1e-6, abs=1e-3)
+    assert fc == pytest.approx(c, rel=1e-6, abs=1e-6)
+    assert bounds_every_sample(fa, fc, synthetic(a, c))
+
+
+points_strategy = st.lists(
+    st.tuples(st.integers(1, 2048), st.integers(1, 8192), st.floats(0, 1e10)),
+    min_size=2, max_size=12,
+)
+
+
+@FAST
+@given(points=points_strategy)
+def test_fit_bounds_every_noisy_sample(points: list[tuple[int, int, float]]) -> None:
+    try:
+        a, c = fit(points)
+    except ValueError:
+        # Only when the two terms cannot be told apart: one context over all points.
+        assert len({ctx for _, ctx, _ in points}) == 1
+        return
+    assert a >= 0 and c >= 0
+    assert math.isfinite(a) and math.isfinite(c)
+    assert bounds_every_sample(a, c, points)
+
+
+@FAST
+@given(a=st.floats(1, 1e6), c=st.floats(0.01, 1e3),
+       noise=st.lists(st.floats(-0.3, 0.3), min_size=len(PROBE_POINTS),
+                      max_size=len(PROBE_POINTS)))
+def test_fit_bounds_noisy_probe_points(a: float, c: float, noise: list[float]) -> None:
+    points = [(ch, ctx, y * (1 + n)) for (ch, ctx, y), n in zip(synthetic(a, c), noise)]
+    fa, fc = fit(points)
+    assert bounds_every_sample(fa, fc, points)
+
+
+@pytest.mark.parametrize("points", [
+    [],
+    [(64, 128, 1.0e6)],
+    [(64, 128, 1.0e6), (64, 128, 1.1e6)],
+    [(32, 128, 1.0e6), (64, 128, 2.0e6), (128, 128, 4.0e6)],  # one context: a, c entangled
+])
+def test_fit_degenerate_points_raise(points: list[tuple[int, int, float]]) -> None:
+    with pytest.raises(ValueError):
+        fit(points)
+
+
+# -- apply -----------------------------------------------------------------------------
+
+
+def test_apply_takes_the_larger_with_margin() -> None:
+    static = make_model(prefill_a_bytes=1000.0, prefill_c_bytes=10.0, kv_bytes_per_token=4096)
+    cal = Calibration(prefill_a_bytes=2000.0, prefill_c_bytes=1.0, kv_bytes_per_token=8192,
+                      seconds=0.3, source="probe")
+    m = cal.apply(static)
+    assert m.prefill_a_bytes == pytest.approx(2000.0 * FIT_MARGIN)
+    assert m.prefill_c_bytes == 10.0  # a low measured c is not trusted
+    assert m.kv_bytes_per_token == 8192
+    assert m.prefill_step_tokens == static.prefill_step_tokens
+    assert m.budget_bytes == static.budget_bytes
+    assert m.context_length == static.context_length
+
+
+@FAST
+@given(a=st.floats(0, 1e7), c=st.floats(0, 1e4), kv=st.integers(0, 1 << 22),
+       sa=st.floats(0, 1e7), sc=st.floats(0, 1e4), skv=st.integers(1, 1 << 22),
+       step=st.integers(16, 8192))
+def test_apply_never_lowers_a_coefficient_nor_changes_the_chunk(
+        a: float, c: float, kv: int, sa: float, sc: float, skv: int, step: int) -> None:
+    static = make_model(prefill_a_bytes=sa, prefill_c_bytes=sc, kv_bytes_per_token=skv,
+                        prefill_step_tokens=step)
+    m = Calibration(a, c, kv, 0.1, "probe").apply(static)
+    assert m.prefill_a_bytes >= static.prefill_a_bytes
+    assert m.prefill_c_bytes >= static.prefill_c_bytes
+    assert m.kv_bytes_per_token >= static.kv_bytes_per_token
+    assert m.prefill_a_bytes >= a * FIT_MARGIN
+    assert m.prefill_c_bytes >= c * FIT_MARGIN
+    assert m.prefill_step_tokens == step  # the chunk is never raised above static
+    unchanged = {f.name for f in dataclasses.fields(CostModel)} - {
+        "prefill_a_bytes", "prefill_c_bytes", "kv_bytes_per_token"}
+    for name in unchanged:
+        assert getattr(m, name) == getattr(static, name), name
+
+
+# -- the cache -------------------------------------------------------------------------
+
+
+def test_cache_key_depends_on_every_part() -> None:
+    base = ("fp-abc", "0.31.1", "metal", 12 << 30)
+    keys = {
+        cache_key(*base),
+        cache_key("fp-abd", *base[1:]),
+        cache_key(base[0], "0.32.0", *base[2:]),
+        cache_key(*base[:2], "cpu", base[3]),
+        cache_key(*base[:3], (12 << 30) + 1),
+    }
+    assert len(keys) == 5
+    assert cache_key(*base) == cache_key(*base)  # stable across calls
+    assert all(k.isalnum() and "/" not in k for k in keys)  # safe in a file name
+
+
+def test_store_and_load_round_trip(tmp_path: Path) -> None:
+    cal = Calibration(prefill_a_bytes=1234.5, prefill_c_bytes=6.75, kv_bytes_per_token=8192,
+                      seconds=0.42, source="probe")
+    key = cache_key("fp", "0.31.1", "cpu", 1 << 30)
+    store(tmp_path / "sub", key, cal)  # creates the directory
+    loaded = load_cached(tmp_path / "sub", key)
+    assert loaded == dataclasses.replace(cal, source="cache")
+
+
+def test_load_missing_is_none(tmp_path: Path) -> None:
+    assert load_cached(tmp_path, "nope") is None
+    assert load_cached(tmp_path / "absent-dir", "nope") is None
+
+
+def _write_cache(cache_dir: Path, key: str, text: str) -> None:
+    (cache_dir / f"calibration-{key}.json").write_text(text)
+
+
+GOOD = {"prefill_a_bytes": 1.0, "prefill_c_bytes": 2.0, "kv_bytes_per_token": 3,
+        "seconds": 0.1, "source": "probe"}
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "{not json",
+    '{"prefill_a_bytes": 1.0, "prefill_c',  # truncated
+    "[1, 2, 3]",
+    '"a string"',
+    "42",
+    json.dumps({k: v for k, v in GOOD.items() if k != "kv_bytes_per_token"}),  # missing key
+    json.dumps({**GOOD, "unexpected": 1}),
+    "\x00\xff garbage",
+])
+def test_corrupt_cache_loads_as_none(tmp_path: Path, text: str) -> None:
+    _write_cache(tmp_path, "k", text)
+    assert load_cached(tmp_path, "k") is None
+
+
+@pytest.mark.parametrize("values", [
+    {"prefill_a_bytes": None},
+    {"prefill_c_bytes": "lots"},
+    {"kv_bytes_per_token": [4096]},
+    {"prefill_a_bytes": float("nan")},
+    {"prefill_c_bytes": float("inf")},
+], ids=["a-null", "c-string", "kv-list", "a-nan", "c-inf"])
+def test_cache_with_wrong_values_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                values: dict[str, Any]) -> None:
+    """A well-formed JSON file with unusable values is corrupt too: it must not crash the
+    worker's start nor poison the cost model; calibrate falls back (here, to static)."""
+    _write_cache(tmp_path, "k", json.dumps({**GOOD, **values}))
+
+    def failing_probe(model: Any) -> Calibration:
+        raise RuntimeError("no probe in unit tests")
+
+    monkeypatch.setattr(calibrate_mod, "probe", failing_probe)
+    static = make_model()
+    model, cal = calibrate(ExplodingModel(), static, cache_dir=tmp_path, key="k")
+    assert model == static
+    assert cal.source == "static"
+
+
+def test_store_to_an_unwritable_place_only_warns(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store(blocker / "cache", "k", Calibration(1.0, 2.0, 3, 0.1, "probe"))  # must not raise
+    assert load_cached(blocker / "cache", "k") is None
+
+
+# -- calibrate -------------------------------------------------------------------------
+
+
+def test_calibrate_uses_the_cache_without_probing(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    probed: list[Any] = []
+
+    def spy_probe(model: Any) -> Calibration:
+        probed.append(model)
+        raise AssertionError("the probe ran despite a cached calibration")
+
+    monkeypatch.setattr(calibrate_mod, "probe", spy_probe)
+    static = make_model(prefill_a_bytes=1000.0, prefill_c_bytes=1.0, kv_bytes_per_token=2048)
+    key = cache_key("fp", "0.31.1", "cpu", 1 << 30)
+    cached = Calibration(prefill_a_bytes=5000.0, prefill_c_bytes=3.0, kv_bytes_per_token=4096,
+                         seconds=0.5, source="probe")
+    store(tmp_path, key, cached)
+    had_mlx = "mlx" in sys.modules
+
+    model, cal = calibrate(ExplodingModel(), static, cache_dir=tmp_path, key=key)
+
+    assert probed == []
+    assert cal == dataclasses.replace(cached, source="cache")
+    assert model == cached.apply(static)
+    assert model.prefill_a_bytes == pytest.approx(5000.0 * FIT_MARGIN)
+    assert model.prefill_c_bytes == pytest.approx(3.0 * FIT_MARGIN)
+    assert model.kv_bytes_per_token == 4096
+    assert ("mlx" in sys.modules) == had_mlx
+
+
+def test_calibrate_keeps_the_static_model_when_the_probe_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_probe(model: Any) -> Calibration:
+        raise RuntimeError("[metal] out of memory")
+
+    monkeypatch.setattr(calibrate_mod, "probe", failing_probe)
+    static = make_model()
+    model, cal = calibrate(ExplodingModel(), static, cache_dir=tmp_path, key="k")
+    assert model is static
+    assert cal.source == "static"
+    assert (cal.prefill_a_bytes, cal.prefill_c_bytes, cal.kv_bytes_per_token) == (
+        static.prefill_a_bytes, static.prefill_c_bytes, static.kv_bytes_per_token)
+    assert list(tmp_path.iterdir()) == []  # a failed probe is not cached
+
+
+def test_calibrate_without_a_cache_dir_probes_and_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = Calibration(prefill_a_bytes=9000.0, prefill_c_bytes=0.5, kv_bytes_per_token=1024,
+                           seconds=0.2, source="probe")
+    monkeypatch.setattr(calibrate_mod, "probe", lambda model: measured)
+    static = make_model(prefill_a_bytes=1000.0, prefill_c_bytes=4.0, kv_bytes_per_token=4096)
+    model, cal = calibrate(object(), static, cache_dir=None, key="k")
+    assert cal is measured
+    assert model.prefill_a_bytes == pytest.approx(9000.0 * FIT_MARGIN)
+    assert model.prefill_c_bytes == 4.0
+    assert model.kv_bytes_per_token == 4096
+    assert model.prefill_step_tokens == static.prefill_step_tokens
+
+
+def test_calibrate_stores_a_fresh_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = Calibration(prefill_a_bytes=3000.0, prefill_c_bytes=5.0, kv_bytes_per_token=4096,
+                           seconds=0.2, source="probe")
+    calls: list[Any] = []
+
+    def counting_probe(model: Any) -> Calibration:
+        calls.append(model)
+        return measured
+
+    monkeypatch.setattr(calibrate_mod, "probe", counting_probe)
+    static = make_model()
+    first, _ = calibrate(object(), static, cache_dir=tmp_path, key="k")
+    second, cal = calibrate(ExplodingModel(), static, cache_dir=tmp_path, key="k")
+    assert len(calls) == 1  # the restart reads the cache
+    assert cal.source == "cache"
+    assert first == second
