@@ -114,6 +114,7 @@ async def measure_kills(r: RouterUnderTest, kills: int) -> dict[str, Any]:
     answered, serving, serving_net = [], [], []
     async with httpx.AsyncClient() as client:
         worker = await r.wait_ready(client, None, 180)
+        killed_at = 0.0
         for i in range(kills):
             if i:  # stay under the crash-loop limit (5 deaths in 60 s)
                 await asyncio.sleep(max(0.0, KILL_SPACING_S - (time.monotonic() - killed_at)))

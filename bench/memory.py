@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import random
-import statistics
 import sys
 import tempfile
 import time

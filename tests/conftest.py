@@ -28,3 +28,12 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
             detail = on_fail() if on_fail else ""
             raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail}")
         time.sleep(interval)
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True

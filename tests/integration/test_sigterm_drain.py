@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-from tests.conftest import wait_until
+from tests.conftest import process_gone, wait_until
 from tests.integration.conftest import Router
 
 
@@ -31,17 +31,10 @@ def test_sigterm_lets_the_stream_finish_and_exits_zero(fresh_router: Callable[..
     assert finish == "length"
     assert router.popen.wait(40) == 0
     # The worker it spawned is stopped with it.
-    wait_until(lambda: _gone(worker_pid), 15, "the spawned worker to exit")
+    wait_until(lambda: process_gone(worker_pid), 15, "the spawned worker to exit")
     try:
         httpx.get(router.url + "/health", timeout=2)
         raise AssertionError("the router should no longer listen")
     except httpx.HTTPError:
         pass
 
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from router.supervisor import HEARTBEAT_TIMEOUT_S, STALL_TIMEOUT_S
-from tests.conftest import wait_until
+from tests.conftest import process_gone, wait_until
 from tests.integration.conftest import Router
 
 # Generous ceilings: restarts include an mlx import and a model load on 2 slow cores.
@@ -111,19 +111,5 @@ def test_spawned_worker_exits_when_its_router_dies(fresh_router: Callable[..., R
     pid = router.worker()["pid"]
     os.kill(router.pid, signal.SIGKILL)
 
-    def gone() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return _is_zombie(pid)
+    wait_until(lambda: process_gone(pid), 15, "the orphaned worker to exit")
 
-    wait_until(gone, 15, "the orphaned worker to exit")
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
