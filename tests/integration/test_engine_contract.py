@@ -1,0 +1,83 @@
+"""The private surface of mlx-lm's BatchGenerator that worker/engine.py relies on.
+
+mlx-lm is pinned to >=0.32.2,<0.33; an upgrade that moves any of this must fail here,
+loudly, rather than in production.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from worker.engine import Engine
+from worker.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def engine(cache_home: Path) -> Engine:
+    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+    return Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
+                  prefill_batch_size=8, max_batch_size=32)
+
+
+def test_generator_signature_we_call() -> None:
+    params = inspect.signature(BatchGenerator.__init__).parameters
+    for name in ("stop_tokens", "completion_batch_size", "prefill_batch_size", "prefill_step_size"):
+        assert name in params, name
+    insert = inspect.signature(BatchGenerator.insert).parameters
+    for name in ("prompts", "max_tokens", "samplers", "stop_sequences"):
+        assert name in insert, name
+    assert "uids" in inspect.signature(BatchGenerator.remove).parameters
+
+
+def test_private_attributes_we_read_and_write(engine: Engine) -> None:
+    g = engine.generator
+    for name in ("prefill_step_size", "prefill_batch_size", "completion_batch_size",
+                 "_prompt_batch", "_unprocessed_sequences", "_generation_batch", "_counters"):
+        assert hasattr(g, name), name
+    assert isinstance(g._counters.prompt_tokens, int)
+
+
+def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
+    engine.set_prefill_step(16)
+    engine.add("chunked", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
+               ignore_eos=True)
+    before = engine.num_prefilled_tokens()
+    engine.step()
+    assert engine.num_prefilled_tokens() - before == 16  # one chunk of the new size
+    engine.set_prefill_step(32)
+    engine.step()
+    assert engine.num_prefilled_tokens() - before == 48
+    while engine.has_work:
+        engine.step()
+
+
+def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
+    engine.set_prefill_step(64)
+    engine.add("keep", [5] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    engine.add("drop", [6] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    for _ in range(4):
+        engine.step()
+    uid = engine.running["drop"].uid
+    assert uid in engine.generator._generation_batch.uids
+    assert engine.cancel("drop")
+    assert uid not in engine.generator._find_uids([uid])
+    assert uid not in engine.generator._generation_batch.uids
+    assert list(engine.running) == ["keep"]
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"keep"}
+
+
+def test_finished_requests_leave_nothing_behind(engine: Engine) -> None:
+    engine.add("short", [7] * 8, max_tokens=3, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    finished = []
+    while engine.has_work:
+        finished += [o for o in engine.step() if o.finish_reason]
+    assert [o.finish_reason for o in finished] == ["length"]
+    assert engine.num_prefilling() == 0 and not engine.running
+    assert len(engine.generator._generation_batch) == 0
