@@ -2,6 +2,9 @@
 
 Prints the table to stdout and writes the JSON document (default under bench/results/,
 which git ignores). Progress goes to stderr through logging.
+
+`python -m bench faults ...` and `python -m bench memory ...` are handed to the modules of
+those names (each parses its own arguments).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def _systems(text: str) -> list[str]:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                description=f"also: {', '.join(DELEGATED)} (see their --help)")
     p = sub.add_parser("serve", help="throughput and latency of the serving systems, side by side")
     p.add_argument("--model", default="demo", help="demo | bench-shaped | PATH to an mlx-lm folder")
     p.add_argument("--concurrency", type=_int_list, default=[1, 8], help="e.g. 1,8")
@@ -72,7 +76,16 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+# Subcommands that own their argument parsing: bench/<name>.py main(argv).
+DELEGATED: tuple[str, ...] = ("faults", "memory")
+
+
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw and raw[0] in DELEGATED:
+        import importlib
+
+        return int(importlib.import_module(f"bench.{raw[0]}").main(raw[1:]))
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
                       headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
                       touch=args.touch,
-                      command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]))
+                      command=shlex.join(["python", "-m", "bench", *raw]))
     try:
         doc = run_serve(cfg)
     except StartError as exc:

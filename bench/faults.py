@@ -37,7 +37,7 @@ import psutil
 log = logging.getLogger("bench.faults")
 ROOT = Path(__file__).resolve().parents[1]
 # Kills closer than this would trip the supervisor's crash-loop guard (5 deaths in 60 s).
-KILL_SPACING_S = 13.0
+KILL_SPACING_S = 20.0
 
 
 @dataclass

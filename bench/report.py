@@ -58,7 +58,9 @@ def derive(summaries: dict[str, dict[int, Summary]]) -> tuple[dict[str, Any], li
     flat += [(f"cpu_overhead_us_per_token[{s}][{c}]", v)
              for s, by_c in out["cpu_overhead_us_per_token"].items() for c, v in by_c.items()]
     for name, v in flat:
-        if not is_good(v):
+        if not math.isfinite(v):
+            notes.append(f"{name} could not be computed: see the per-system notes")
+        elif not is_good(v):
             notes.append(f"{name} = {v:.4g} is not > 0: measured at or below the in-process "
                          f"floor, i.e. the difference is within run-to-run noise (see "
                          f"tokens_per_s_by_rep; CPU times tick at 10 ms)")
@@ -115,16 +117,30 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _spread(values: list[float]) -> str:
+    """(max − min) / mean of the per-repetition tokens/s: how far apart the repeats were."""
+    good = [v for v in values if v is not None and math.isfinite(v)]
+    if len(good) < 2:
+        return "-"
+    return f"{(max(good) - min(good)) / (sum(good) / len(good)) * 100:.0f}%"
+
+
 def render(doc: dict[str, Any]) -> str:
     """The table printed to stdout."""
-    d = doc["derived"]
+    d, m = doc["derived"], doc["meta"]
     head = (f"{'system':<14}{'c':>3}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
             f"{'p99':>8}{'TPOT':>7}{'chunk/req':>10}{'CPU/tok':>8}{'err':>5}{'÷headroom':>10}"
-            f"{'÷inproc':>9}")
+            f"{'÷inproc':>9}{'rep spread':>11}")
     lines = [f"model {doc['meta']['model']['name']} ({doc['meta']['model']['folder']}), "
              f"max_tokens {doc['meta']['max_tokens']}, prompt ~{doc['meta']['prompt_tokens']} tokens, "
              f"{doc['meta']['requests']} requests x {doc['meta']['repeats']} repeats per workload",
-             "times in ms; TTFT/ITL from the client's send; ITL is the gap between output chunks",
+             f"{m['machine']['platform']}, {m['machine']['cpu_count']} CPUs, mlx {m['machine']['mlx']} "
+             f"({m['machine']['device']}), mlx-lm {m['machine']['mlx_lm']}, commit {m['git']['commit'][:8]}"
+             f"{' (dirty)' if m['git']['dirty_files'] else ''}; load average before/after "
+             f"{m['loadavg_before'][0]:.2f}/{m['loadavg_after'][0]:.2f}",
+             "times in ms; TTFT/ITL from the client's send; ITL is the gap between output chunks; "
+             "CPU/tok = CPU ms of the system's processes per generated token; rep spread = "
+             "(max - min) / mean of the repetitions' tokens/s",
              head, "-" * len(head)]
     for s, by_c in doc["results"].items():
         for c, r in by_c.items():
@@ -133,7 +149,8 @@ def render(doc: dict[str, Any]) -> str:
                 f"{_fmt(r['ttft_p50_ms']):>10}{_fmt(r['ttft_p99_ms']):>8}{_fmt(r['itl_p50_ms']):>9}"
                 f"{_fmt(r['itl_p99_ms']):>8}{_fmt(r['tpot_ms']):>7}{_fmt(r['chunks_per_request'], 1):>10}"
                 f"{_fmt(r['cpu_ms_per_token']):>8}{r['errors']:>5}{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(c), 3):>10}"
-                f"{_fmt(d['tps_ratio_vs_inprocess'].get(s, {}).get(c), 3):>9}")
+                f"{_fmt(d['tps_ratio_vs_inprocess'].get(s, {}).get(c), 3):>9}"
+                f"{_spread(r['tokens_per_s_by_rep']):>11}")
     lines.append("")
     lines.append("vs inprocess: overhead = (1/tps_sys - 1/tps_inproc)*1e6 us/token at c=1; added TTFT = "
                  "TTFT p50 sys - TTFT p50 inproc at c=1; extra CPU = CPU/tok sys - CPU/tok inproc")

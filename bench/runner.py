@@ -81,6 +81,23 @@ def _machine() -> dict[str, Any]:
             "device": str(mx.default_device())}
 
 
+def _git() -> dict[str, Any]:
+    """The code under test: others edit router/worker/common while benchmarks run."""
+    import subprocess
+
+    from bench.procs import ROOT
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "router", "worker", "common")
+    return {"commit": git("rev-parse", "HEAD"), "dirty_files": dirty.splitlines()}
+
+
 def _warm(system: System, encode: Any, cfg: ServeConfig, target: int) -> dict[str, Any]:
     """A first workload per system, discarded: model load, kernel setup, lazy imports."""
     num = max(2, max(cfg.concurrency))
@@ -112,6 +129,29 @@ def _touch(system: System, encode: Any, cfg: ServeConfig) -> int:
     return system.worker_restarts() - before
 
 
+def _measure(systems: list[System], encode: Any, cfg: ServeConfig, target: int,
+             touches: dict[str, int]) -> dict[tuple[str, int], list[RunResult]]:
+    """Every (repetition, concurrency) workload on every system, in rotated order."""
+    runs: dict[tuple[str, int], list[RunResult]] = {}
+    for rep in range(cfg.repeats):
+        for ci, c in enumerate(cfg.concurrency):
+            prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
+            shift = (rep * len(cfg.concurrency) + ci) % len(systems)
+            for system in systems[shift:] + systems[:shift]:
+                if cfg.touch:
+                    touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
+                restarts, cpu_s = system.worker_restarts(), system.cpu_s()
+                run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
+                                 repetition=rep, timeout_s=cfg.workload_timeout_s)
+                run.cpu_s = system.cpu_s() - cpu_s
+                run.worker_restarts = system.worker_restarts() - restarts
+                log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
+                         sum(r.completion_tokens for r in run.requests if r.ok) / max(run.wall_s, 1e-9),
+                         sum(r.ok for r in run.requests), len(run.requests))
+                runs.setdefault((system.name, c), []).append(run)
+    return runs
+
+
 def run_serve(cfg: ServeConfig) -> dict[str, Any]:
     """Run everything; returns the report document (see bench/report.py)."""
     from mlx_lm.utils import load_tokenizer
@@ -123,12 +163,10 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
     target = PROMPT_TOKENS[cfg.prompt_tokens]
     run_dir = Path(tempfile.mkdtemp(prefix="headroom-bench-"))  # 0700: fine as XDG_RUNTIME_DIR
     log.info("server logs in %s (removed after a clean run)", run_dir)
-    runs: dict[tuple[str, int], list[RunResult]] = {}
     warmup: dict[str, Any] = {}
     touches: dict[str, int] = {}  # worker restarts that happened during touches
     load_before = os.getloadavg()
     started = time.monotonic()
-    ok = False
     with contextlib.ExitStack() as stack:
         systems: list[System] = []
         for name in cfg.systems:
@@ -140,34 +178,18 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             systems.append(system)
         for system in systems:
             warmup[system.name] = _warm(system, encode, cfg, target)
-        for rep in range(cfg.repeats):
-            for ci, c in enumerate(cfg.concurrency):
-                prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
-                shift = (rep * len(cfg.concurrency) + ci) % len(systems)
-                for system in systems[shift:] + systems[:shift]:
-                    if cfg.touch:
-                        touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
-                    restarts, cpu_s = system.worker_restarts(), system.cpu_s()
-                    run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
-                                     repetition=rep, timeout_s=cfg.workload_timeout_s)
-                    run.cpu_s = system.cpu_s() - cpu_s
-                    run.worker_restarts = system.worker_restarts() - restarts
-                    log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
-                             sum(r.completion_tokens for r in run.requests if r.ok) / run.wall_s,
-                             sum(r.ok for r in run.requests), len(run.requests))
-                    runs.setdefault((system.name, c), []).append(run)
+        runs = _measure(systems, encode, cfg, target, touches)
         described = {s.name: s.describe() for s in systems}
-        ok = True
-    if ok:
-        shutil.rmtree(run_dir, ignore_errors=True)  # keep the logs only when something failed
+    # Reached only without an exception: keep the server logs when something failed.
+    shutil.rmtree(run_dir, ignore_errors=True)
     summaries: dict[str, dict[int, Summary]] = {}
     for (name, c), rs in runs.items():
         summaries.setdefault(name, {})[c] = summarize(rs)
     meta = {"command": cfg.command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": _machine(), "model": model_info, "max_tokens": cfg.max_tokens,
+            "machine": _machine(), "git": _git(), "model": model_info, "max_tokens": cfg.max_tokens,
             "prompt_tokens": target, "prompt_tokens_label": cfg.prompt_tokens,
             "requests": cfg.num_requests, "repeats": cfg.repeats, "concurrency": cfg.concurrency,
-            "systems": described, "touch": cfg.touch, "worker_restarts_during_touches": touches, "duration_s": round(time.monotonic() - started, 1),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "argv": sys.argv}
+            "systems": described, "touch": cfg.touch, "worker_restarts_during_touches": touches,
+            "duration_s": round(time.monotonic() - started, 1),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "argv": sys.argv}
     return report.build(meta, summaries, warmup)

@@ -118,25 +118,27 @@ class Headroom(HttpSystem):
     def start(self, timeout_s: float) -> None:
         super().start(timeout_s)
         # Remember the worker: it runs in its own session, out of killpg's reach.
-        self.worker_pid = self._worker_field("pid")
+        self.worker_pid = self._worker().get("pid")
         if self.worker_pid is None:
             log.warning("could not read the headroom worker's pid from /health")
 
-    def _worker_field(self, key: str) -> int | None:
+    def _worker(self) -> dict[str, Any]:
+        """The worker's entry in /health ({} when it cannot be read)."""
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=5.0) as resp:
-                return int(json.loads(resp.read())["workers"][0][key])
+                worker = json.loads(resp.read())["workers"][0]
+            return worker if isinstance(worker, dict) else {}
         except (OSError, ValueError, KeyError, IndexError, TypeError):
-            return None
+            return {}
 
     def worker_restarts(self) -> int:
         """A restart during a workload is invisible to the client when the router retries
         the requests that had produced nothing; /health counts it."""
-        restarts = self._worker_field("restarts")
-        pid = self._worker_field("pid")
-        if pid is not None:
-            self.worker_pid = pid  # a restarted worker has a new pid; stop() needs it
-        return restarts or 0
+        worker = self._worker()
+        if isinstance(worker.get("pid"), int):
+            self.worker_pid = worker["pid"]  # a restarted worker has a new pid; stop() needs it
+        restarts = worker.get("restarts", 0)
+        return restarts if isinstance(restarts, int) else 0
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "worker_pid": self.worker_pid}

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Backlog deadlines are checked this often.
 EXPIRY_INTERVAL_S = 0.25
+# Most frames handled per wakeup before yielding to the HTTP side.
+MAX_DRAIN = 256
 
 
 @dataclass(slots=True)
@@ -150,6 +152,8 @@ class Dispatcher:
         job.incarnation = link.incarnation
         job.num_dispatches += 1
         job.dispatched_at = self.clock()
+        if not link.in_flight:
+            link.step_changed_at = job.dispatched_at  # idle until now: start the stall clock
         link.in_flight[job.request_id] = job
         self.metrics.dispatched.inc()
         s = job.sampling
@@ -216,27 +220,35 @@ class Dispatcher:
     # -- input -----------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        # Await one message, then drain what else is waiting through the synchronous shadow
+        # socket: one Future per wakeup instead of one per message (tokens arrive in bursts).
+        shadow = zmq.Socket.shadow(self._sock.underlying)
         while True:
             try:
-                frames = await self._sock.recv_multipart(copy=False)
+                self._on_frames(await self._sock.recv_multipart())
+                for _ in range(MAX_DRAIN):
+                    self._on_frames(shadow.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
             except zmq.ZMQError as exc:
                 log.error("router socket error: %s", exc)
                 await asyncio.sleep(0.1)
-                continue
-            if len(frames) != 2:
-                self._count_bad("wrong number of frames")
-                continue
-            identity, payload = frames[0].bytes, frames[1].buffer
-            try:
-                msg = decode(payload)
-            except ProtocolError as exc:
-                self._count_bad(exc.message)
-                self._note_mismatch(bytes(payload))
-                continue
-            try:
-                self._handle(identity, msg)
-            except Exception:  # a bug in one handler must not end the receive loop
-                log.exception("error handling a %s message", msg.type)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._count_bad("wrong number of frames")
+            return
+        identity, payload = frames
+        try:
+            msg = decode(payload)
+        except ProtocolError as exc:
+            self._count_bad(exc.message)
+            self._note_mismatch(payload)
+            return
+        try:
+            self._handle(identity, msg)
+        except Exception:  # a bug in one handler must not end the receive loop
+            log.exception("error handling a %s message", msg.type)
 
     def _note_mismatch(self, frame: bytes) -> None:
         """A worker speaking another protocol version is refused, and shown in /health."""
@@ -272,7 +284,9 @@ class Dispatcher:
                 link.model = CostModel.from_dict(msg.report["cost_model"])
             self.pump()
         elif isinstance(msg, Heartbeat):
-            if msg.step != link.step:
+            # The stall clock runs only while work waits: it restarts when the counter moves
+            # and when an idle worker becomes busy (an idle worker's counter stands still).
+            if msg.step != link.step or (msg.has_work and not link.has_work):
                 link.step, link.step_changed_at = msg.step, now
             link.has_work = msg.has_work
         elif isinstance(msg, Reject):

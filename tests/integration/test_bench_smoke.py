@@ -73,6 +73,8 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
             r = results[system][c]
             where = f"{system} c={c}"
             assert r["errors"] == 0, (where, r["error_samples"], notes)
+            # A worker restart is an error the client never sees (its requests are retried).
+            assert r["worker_restarts"] == 0, (where, notes)
             assert r["num_requests"] == NUM_REQUESTS, where
             assert r["completion_tokens"] == NUM_REQUESTS * MAX_TOKENS, where
             for fig in FIGURES:

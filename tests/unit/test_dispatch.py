@@ -1,0 +1,95 @@
+"""Dispatcher bookkeeping with a fake clock: liveness, the stall clock, stale incarnations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from common.costmodel import CostModel
+from common.protocol import Heartbeat, Hello, Tokens
+from router.backlog import Backlog
+from router.dispatch import Dispatcher
+from router.job import Job, JobState, Sampling, TokenEvent
+from router.status import Metrics
+from router.supervisor import stall_timeout_s
+
+MODEL = CostModel(kv_bytes_per_token=1024, num_layers=2, prefill_a_bytes=10.0, prefill_c_bytes=1.0,
+                  budget_bytes=1 << 30, context_length=4096, prefill_step_tokens=256)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def dispatcher() -> Iterator[tuple[Dispatcher, Clock]]:
+    clock = Clock()
+    d = Dispatcher("inproc://unused", Backlog(8), Metrics(), clock=clock)
+    d._send = lambda msg: None  # type: ignore[method-assign]  # no socket in unit tests
+    hello = Hello(incarnation=7, pid=1, package_version="t", model_id="m", fingerprint="f",
+                  context_length=4096, tokenizer_path="/x", eos_token_ids=[0], admission=True,
+                  cost_model=MODEL.to_dict())
+    d._handle(b"w7", hello)
+    yield d, clock
+    d._sock.close(0)
+    d._ctx.term()
+
+
+def test_idle_worker_that_becomes_busy_restarts_the_stall_clock(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    d._handle(b"w7-hb", Heartbeat(incarnation=7, step=5, has_work=False))
+    clock.now = 60.0  # a minute idle: the step counter stood still, rightly
+    d._handle(b"w7-hb", Heartbeat(incarnation=7, step=5, has_work=True))
+    assert d.link is not None
+    assert clock.now - d.link.step_changed_at < stall_timeout_s(None)
+
+
+def test_dispatch_to_an_idle_worker_restarts_the_stall_clock(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    clock.now = 100.0
+    d._handle(b"w7", _status(7))
+    job = Job(request_id="r1", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
+              deadline=1e9, enqueued_at=clock.now)
+    d.submit(job)
+    assert job.state is JobState.RUNNING
+    assert d.link is not None and d.link.step_changed_at == 100.0
+
+
+def test_frames_from_an_old_incarnation_are_dropped(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    d._handle(b"w7", _status(7))
+    job = Job(request_id="r1", prompt_ids=[1, 2], sampling=Sampling(max_tokens=2), deadline=1e9,
+              enqueued_at=0.0)
+    d.submit(job)
+    d._handle(b"w6", Tokens(incarnation=6, step=1, outputs=[["r1", [9], "length"]]))
+    assert job.events.empty()
+    d._handle(b"w7", Tokens(incarnation=7, step=1, outputs=[["r1", [9], "length"]]))
+    event = job.events.get_nowait()
+    assert isinstance(event, TokenEvent) and event.token_ids == [9]
+
+
+def test_worker_lost_requeues_jobs_without_output_once(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    d._handle(b"w7", _status(7))
+    job = Job(request_id="r1", prompt_ids=[1, 2], sampling=Sampling(max_tokens=2), deadline=1e9,
+              enqueued_at=0.0)
+    d.submit(job)
+    assert d.worker_lost(7, "killed") is False
+    assert job.state is JobState.QUEUED and len(d.backlog) == 1
+
+
+def test_stall_timeout_follows_the_slowest_step() -> None:
+    assert stall_timeout_s(None) == 10.0
+    assert stall_timeout_s({"worst_step_s": 0.1}) == 10.0
+    assert stall_timeout_s({"worst_step_s": 4.0}) == 20.0
+
+
+def _status(incarnation: int) -> object:
+    from common.protocol import Status
+
+    return Status(incarnation=incarnation, report={"max_running_requests": 4})
