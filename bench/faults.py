@@ -110,8 +110,14 @@ async def stream_once(client: httpx.AsyncClient, url: str, max_tokens: int, soak
         return "lost"
 
 
+async def timed(coro: Any) -> tuple[str, float]:
+    outcome = await coro
+    return outcome, time.monotonic()
+
+
 async def measure_kills(r: RouterUnderTest, kills: int) -> dict[str, Any]:
     answered, serving, serving_net = [], [], []
+    redispatched = 0
     async with httpx.AsyncClient() as client:
         worker = await r.wait_ready(client, None, 180)
         killed_at = 0.0
@@ -119,13 +125,16 @@ async def measure_kills(r: RouterUnderTest, kills: int) -> dict[str, Any]:
             if i:  # stay under the crash-loop limit (5 deaths in 60 s)
                 await asyncio.sleep(max(0.0, KILL_SPACING_S - (time.monotonic() - killed_at)))
             worker = await r.wait_ready(client, None, 180)
-            streams = [asyncio.create_task(stream_once(client, r.url, 2000)) for _ in range(4)]
-            await asyncio.sleep(0.5)
+            streams = [asyncio.create_task(timed(stream_once(client, r.url, 2000))) for _ in range(4)]
+            await asyncio.sleep(1.0)  # every stream has produced output: none is re-dispatched
             killed_at = time.monotonic()
             os.kill(worker["pid"], signal.SIGKILL)
             results = await asyncio.gather(*streams)
-            answered.append(time.monotonic() - killed_at)
-            assert "lost" not in results, results
+            assert all(outcome != "lost" for outcome, _ in results), results
+            errors = [ended for outcome, ended in results if outcome.startswith("error")]
+            redispatched += len(results) - len(errors)
+            if errors:
+                answered.append(max(errors) - killed_at)
             worker = await r.wait_ready(client, worker["pid"], 180)
             while (await client.post(r.url + "/v1/completions", json={"prompt": "up?", "max_tokens": 1},
                                      timeout=60)).status_code != 200:
@@ -135,7 +144,7 @@ async def measure_kills(r: RouterUnderTest, kills: int) -> dict[str, Any]:
             serving_net.append(took - float(worker.get("last_start_s") or 0.0)
                                - float(worker.get("last_backoff_s") or 0.0))
     health = await_health_sync(r)
-    return {"kills": kills, "restarts_seen": (health.get("workers") or [{}])[0].get("restarts"),
+    return {"kills": kills, "streams_redispatched_and_completed": redispatched, "restarts_seen": (health.get("workers") or [{}])[0].get("restarts"),
             **_summary("death_to_last_answered_s", answered),
             **_summary("death_to_serving_s", serving),
             **_summary("death_to_serving_minus_start_and_backoff_s", serving_net)}

@@ -39,6 +39,11 @@ IDLE_POLL_MS = 50
 STEP_BUDGET_S = 0.5
 # When a step's peak exceeds its prediction, grow the model by the overshoot and this margin.
 CALIBRATION_GROWTH = 1.05
+# A caught memory error grows the model by this much (the step never finished: no measure).
+CAUGHT_ERROR_GROWTH = 1.25
+# This many caught errors within the window and the worker exits to be restarted clean.
+CAUGHT_ERRORS_TO_EXIT = 3
+CAUGHT_ERROR_WINDOW_S = 60.0
 # Without a router heartbeat for this long, re-send hello (the router may have restarted).
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
@@ -116,6 +121,8 @@ class WorkerServer:
         self._worst_step_s = 0.0
         self._last_totals: list[int] = []
         self.under_pressure = False
+        self._caught_errors: list[float] = []
+        self.exit_code = ExitCode.OK
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
 
@@ -161,7 +168,7 @@ class WorkerServer:
         self.heartbeat.stopped.set()
         self.sock.close(0)
         self.ctx.term()
-        return ExitCode.OK
+        return self.exit_code
 
     def _wedge(self) -> None:
         log.warning("test flag: wedging the engine loop after %d steps", self.engine.num_steps)
@@ -381,11 +388,24 @@ class WorkerServer:
         raise RuntimeError(f"[METAL] Command buffer execution failed: {reason}")
 
     def _recover(self, exc: BaseException) -> list[Output]:
-        """A caught memory error: fail the running requests, drop their caches, go on."""
+        """A caught memory error: fail the running requests, drop their caches, clear the
+        MLX cache, grow the cost model, report it; exit for a restart if it keeps happening
+        (the step's outputs could not be trusted, and neither can state that keeps failing)."""
         log.error("engine step failed (%s); failing %d running requests", exc, len(self.engine.running))
         failed = self.engine.cancel_all()
         self.memory.probe.clear_cache()
         self.memory.reserved_bytes = 0
+        mem = self.memory
+        if self.opts.admission:  # admitted work overshot: the model was too optimistic
+            mem.model = dataclasses.replace(mem.model, scale=mem.model.scale * CAUGHT_ERROR_GROWTH)
+            log.warning("cost model scale grown to %.3f after a caught memory error", mem.model.scale)
+        now = time.monotonic()
+        if self.opts.admission:  # without admission, overshooting is what was asked for
+            self._caught_errors = [t for t in self._caught_errors if now - t < CAUGHT_ERROR_WINDOW_S] + [now]
+        if len(self._caught_errors) >= CAUGHT_ERRORS_TO_EXIT:
+            self.stop_reason = (f"{len(self._caught_errors)} caught memory errors in "
+                                f"{CAUGHT_ERROR_WINDOW_S:.0f}s: state no longer trusted")
+            self.exit_code = ExitCode.UNTRUSTED_STATE
         self._changed = True
         return [Output(rid, [], FinishReason.ERROR) for rid in failed]
 
