@@ -207,10 +207,12 @@ def _parser(cls: type, prog: str) -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
         elif kind is tuple:
-            parser.add_argument(flag, dest=f.name, action="append", help=help_text)
+            parser.add_argument(flag, dest=f.name, action="append", help=help_text,
+                                metavar=_flag(f).upper().replace("-", "_"))
         else:
             parser.add_argument(flag, dest=f.name, type=str, help=help_text,
-                                choices=f.metadata.get("choices") or None)
+                                choices=f.metadata.get("choices") or None,
+                                metavar=_flag(f).upper().replace("-", "_"))
     return parser
 
 
