@@ -77,7 +77,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 # Subcommands that own their argument parsing: bench/<name>.py main(argv).
-DELEGATED: tuple[str, ...] = ("faults", "memory")
+DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if raw and raw[0] in DELEGATED:
         import importlib
 
-        return int(importlib.import_module(f"bench.{raw[0]}").main(raw[1:]))
+        return int(importlib.import_module(f"bench.{DELEGATED[raw[0]]}").main(raw[1:]))
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
