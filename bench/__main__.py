@@ -36,6 +36,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _kinds(text: str) -> list[str]:
+    kinds = [x.strip() for x in text.split(",") if x.strip()]
+    if not kinds or any(k not in PROMPT_TOKENS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"choose distinct names from {','.join(PROMPT_TOKENS)}; got {text!r}")
+    return kinds
+
+
 def _systems(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -50,12 +57,19 @@ def make_parser() -> argparse.ArgumentParser:
                                 description=f"also: {', '.join(DELEGATED)} (see their --help)")
     p = sub.add_parser("serve", help="throughput and latency of the serving systems, side by side")
     p.add_argument("--model", default="demo", help="demo | bench-shaped | PATH to an mlx-lm folder")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 8], help="e.g. 1,8")
-    p.add_argument("--requests", type=int, default=16, help="requests per workload repetition")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="e.g. 1,8,32")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per workload repetition (default: max(16, 2 x concurrency))")
     p.add_argument("--repeats", type=int, default=2, help="repetitions of each workload")
     p.add_argument("--max-tokens", type=int, default=64, help="exact output length of every request")
-    p.add_argument("--prompt-tokens", choices=sorted(PROMPT_TOKENS), default="short",
-                   help=", ".join(f"{k} ~{v} tokens" for k, v in PROMPT_TOKENS.items()))
+    p.add_argument("--prompt-tokens", type=_kinds, default=["short"], metavar="KIND[,KIND]",
+                   help="prompt kinds, each run at every concurrency: "
+                        + ", ".join(f"{k} ~{v} tokens" for k, v in PROMPT_TOKENS.items()))
+    p.add_argument("--no-mixed", dest="mixed", action="store_false",
+                   help="skip the mixed workload (one long prompt, then short ones while it prefills)")
+    p.add_argument("--mixed-long-tokens", type=int, default=1024, help="the mixed workload's long prompt")
+    p.add_argument("--mixed-shorts", type=int, default=8, help="short prompts sent after the long one")
+    p.add_argument("--mixed-max-tokens", type=int, default=16, help="output length in the mixed workload")
     p.add_argument("--systems", type=_systems, default=list(SYSTEMS), help=",".join(SYSTEMS))
     p.add_argument("--json", type=Path, default=None, help="output file (default bench/results/serve-<time>.json)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds per server to get healthy")
@@ -89,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.requests < 1 or args.repeats < 1 or args.max_tokens < 1:
-        log.error("--requests, --repeats and --max-tokens must be >= 1")
+    counts = [args.repeats, args.max_tokens, args.mixed_long_tokens, args.mixed_shorts,
+              args.mixed_max_tokens] + ([args.requests] if args.requests is not None else [])
+    if min(counts) < 1:
+        log.error("--requests, --repeats, --max-tokens and the --mixed-* counts must be >= 1")
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -100,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ServeConfig(model=args.model, concurrency=args.concurrency, num_requests=args.requests,
                       repeats=args.repeats, max_tokens=args.max_tokens,
-                      prompt_tokens=args.prompt_tokens, systems=args.systems,
+                      prompt_kinds=args.prompt_tokens, mixed=args.mixed,
+                      mixed_long_tokens=args.mixed_long_tokens, mixed_shorts=args.mixed_shorts,
+                      mixed_max_tokens=args.mixed_max_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
                       headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
                       touch=args.touch,

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.metrics import RequestResult, RunResult
+from bench.metrics import MixedRun, RequestResult, RunResult
 from bench.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,35 @@ def _check(done: bool, finish: str | None, res: RequestResult, max_tokens: int) 
     return None
 
 
+def _body(prompt: Prompt, max_tokens: int, extra_body: dict[str, Any]) -> dict[str, Any]:
+    """Greedy (temperature 0), no seed, fixed length, usage in the stream."""
+    body: dict[str, Any] = {"model": "bench", "prompt": prompt.text, "max_tokens": max_tokens,
+                            "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    body.update(extra_body)
+    return body
+
+
+async def run_mixed(base_url: str, system: str, long_prompt: Prompt, shorts: list[Prompt], *,
+                    max_tokens: int, head_start_s: float, extra_body: dict[str, Any],
+                    repetition: int, request_timeout_s: float) -> MixedRun:
+    """Send the long prompt; head_start_s later send every short one at once."""
+    url = base_url + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    connector = aiohttp.TCPConnector(limit=len(shorts) + 1)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        long_task = asyncio.create_task(
+            one_request(session, url, _body(long_prompt, max_tokens, extra_body), max_tokens))
+        await asyncio.sleep(head_start_s)
+        short_results = await asyncio.gather(
+            *(one_request(session, url, _body(p, max_tokens, extra_body), max_tokens) for p in shorts))
+        long_result = await long_task
+    bad = [r.error for r in [long_result, *short_results] if not r.ok]
+    if bad:
+        log.warning("%s mixed rep %d: %d requests failed, e.g. %s", system, repetition, len(bad), bad[0])
+    return MixedRun(system=system, repetition=repetition, long=long_result, shorts=list(short_results))
+
+
 async def run_workload(base_url: str, system: str, prompts: list[Prompt], *, concurrency: int,
                        max_tokens: int, extra_body: dict[str, Any], repetition: int,
                        request_timeout_s: float) -> RunResult:
@@ -111,12 +140,8 @@ async def run_workload(base_url: str, system: str, prompts: list[Prompt], *, con
     async def user(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
-            # Greedy (temperature 0), no seed, fixed length, usage in the stream.
-            body: dict[str, Any] = {"model": "bench", "prompt": prompt.text,
-                                    "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                                    "stream_options": {"include_usage": True}}
-            body.update(extra_body)
-            results.append(await one_request(session, url, body, max_tokens))
+            results.append(await one_request(session, url, _body(prompt, max_tokens, extra_body),
+                                             max_tokens))
 
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     connector = aiohttp.TCPConnector(limit=concurrency)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import RequestResult, RunResult
+from bench.metrics import MixedRun, RequestResult, RunResult
 from bench.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,51 @@ class InProcess:
         wall_s = time.perf_counter() - started
         return RunResult(system=system, concurrency=concurrency, repetition=repetition,
                          wall_s=wall_s, requests=done)
+
+    def run_mixed(self, long_prompt: Prompt, shorts: list[Prompt], *, max_tokens: int,
+                  head_start_s: float, repetition: int, timeout_s: float,
+                  system: str = "inprocess") -> MixedRun:
+        """The mixed workload: the short prompts "arrive" head_start_s after the long one.
+
+        They can only be inserted between steps, as on a server (whose loop is inside a
+        step when they arrive); their time is counted from the arrival, not the insert.
+        """
+        gen = self.generator
+        started = time.perf_counter()
+        (uid,) = gen.insert([long_prompt.token_ids], max_tokens=[max_tokens])
+        live: dict[int, _Live] = {uid: _Live(RequestResult(), started, started)}
+        long_result = live[uid].result
+        short_results: list[RequestResult] = []
+        arrival = started + head_start_s
+        while live or not short_results:
+            if time.perf_counter() - started > timeout_s:
+                self._abandon(live, deque(), timeout_s)
+                break
+            if not short_results and time.perf_counter() >= arrival:
+                uids = gen.insert([p.token_ids for p in shorts], max_tokens=[max_tokens] * len(shorts))
+                for short_uid in uids:
+                    live[short_uid] = _Live(RequestResult(), arrival, arrival)
+                    short_results.append(live[short_uid].result)
+            if not live:
+                time.sleep(min(0.01, max(0.0, arrival - time.perf_counter())))
+                continue
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                entry = live.get(r.uid)
+                if entry is None:
+                    continue
+                _record_token(entry, now)
+                if r.finish_reason is not None:
+                    r.prompt_cache = None
+                    _finish(entry, r.finish_reason, now, max_tokens)
+                    del live[r.uid]
+        if not short_results:  # timed out before they arrived
+            short_results = [RequestResult() for _ in shorts]
+        for res in [long_result, *short_results]:
+            if res.error is None and not res.ok:
+                res.error = f"timed out after {timeout_s:.0f} s"
+        return MixedRun(system=system, repetition=repetition, long=long_result, shorts=short_results)
 
     def _abandon(self, live: dict[int, _Live], pending: deque[Prompt], timeout_s: float) -> list[RequestResult]:
         """Remove what is still running and report it (and what never started) as errors."""

@@ -1,8 +1,10 @@
 """Per-request measurements and the aggregate figures computed from them.
 
 One RequestResult per request, whichever system served it. A workload run (one system,
-one concurrency, one repetition) is a RunResult; the repetitions of a (system,
-concurrency) pair are pooled into one Summary. Formulas are in bench/README.md.
+one prompt kind, one concurrency, one repetition) is a RunResult; the repetitions of a
+(system, workload) pair are pooled into one Summary. The mixed workload (one long prompt,
+then short ones) is a MixedRun per repetition, pooled into a MixedSummary. Formulas are
+in bench/README.md.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ class RunResult:
     repetition: int
     wall_s: float
     requests: list[RequestResult]
+    prompt_kind: str = "short"          # bench/prompts.py PROMPT_TOKENS key
     worker_restarts: int = 0            # supervised worker restarts during this run
     cpu_s: float = math.nan             # CPU seconds the system's processes used in it
+
+
+def workload_key(prompt_kind: str, concurrency: int) -> str:
+    """How a workload is named in the JSON and the table: "short:8", "long:1"."""
+    return f"{prompt_kind}:{concurrency}"
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -58,6 +66,7 @@ class Summary:
     """Pooled figures for one system at one concurrency (all repetitions together)."""
 
     system: str
+    prompt_kind: str
     concurrency: int
     num_requests: int
     errors: int
@@ -98,7 +107,8 @@ def summarize(runs: list[RunResult]) -> Summary:
               if run.wall_s > 0 else math.nan for run in runs]
     errors = [r.error or "unknown error" for r in requests if not r.ok]
     return Summary(
-        system=runs[0].system, concurrency=runs[0].concurrency, num_requests=len(requests),
+        system=runs[0].system, prompt_kind=runs[0].prompt_kind, concurrency=runs[0].concurrency,
+        num_requests=len(requests),
         errors=len(errors), completion_tokens=tokens, wall_s=wall_s,
         tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
         requests_per_s=len(good) / wall_s if wall_s > 0 else math.nan,
@@ -112,18 +122,69 @@ def summarize(runs: list[RunResult]) -> Summary:
     )
 
 
+@dataclass(slots=True)
+class MixedRun:
+    """One round of the mixed workload: a long prompt, then short ones while it prefills."""
+
+    system: str
+    repetition: int
+    long: RequestResult
+    shorts: list[RequestResult]
+    worker_restarts: int = 0
+
+
+@dataclass(slots=True)
+class MixedSummary:
+    """The mixed workload's rounds pooled: what the short requests waited for a first token."""
+
+    system: str
+    rounds: int
+    short_requests: int
+    errors: int
+    short_ttft_p50_ms: float
+    short_ttft_p99_ms: float
+    short_ttft_max_ms: float
+    long_ttft_p50_ms: float
+    error_samples: list[str]
+    worker_restarts: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MIXED_FIGURES: tuple[str, ...] = ("short_ttft_p50_ms", "short_ttft_p99_ms", "long_ttft_p50_ms")
+
+
+def summarize_mixed(runs: list[MixedRun]) -> MixedSummary:
+    shorts = [r for run in runs for r in run.shorts]
+    longs = [run.long for run in runs]
+    everything = longs + shorts
+    short_ttfts = [r.ttft_s for r in shorts if r.ok and r.ttft_s is not None]
+    long_ttfts = [r.ttft_s for r in longs if r.ok and r.ttft_s is not None]
+    errors = [r.error or "unknown error" for r in everything if not r.ok]
+    return MixedSummary(
+        system=runs[0].system, rounds=len(runs), short_requests=len(shorts), errors=len(errors),
+        short_ttft_p50_ms=percentile(short_ttfts, 50) * 1e3,
+        short_ttft_p99_ms=percentile(short_ttfts, 99) * 1e3,
+        short_ttft_max_ms=max(short_ttfts) * 1e3 if short_ttfts else math.nan,
+        long_ttft_p50_ms=percentile(long_ttfts, 50) * 1e3,
+        error_samples=sorted(set(errors))[:5],
+        worker_restarts=sum(run.worker_restarts for run in runs))
+
+
 def is_good(value: Any) -> bool:
     """The one test every reported figure must pass: a finite number above zero."""
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def why_not_good(summary: Summary, figure: str) -> str | None:
+def why_not_good(summary: Summary | MixedSummary, figure: str) -> str | None:
     """None when the figure is fine, else the reason it is not (goes in the output)."""
     value = getattr(summary, figure)
     if is_good(value):
         return None
     if summary.errors:
-        return f"{summary.errors} of {summary.num_requests} requests failed: {summary.error_samples[0]}"
-    if figure.startswith("itl") and summary.completion_tokens <= summary.num_requests:
+        return f"{summary.errors} requests failed: {summary.error_samples[0]}"
+    if (isinstance(summary, Summary) and figure.startswith("itl")
+            and summary.completion_tokens <= summary.num_requests):
         return "one token per request leaves no inter-token gap to measure"
     return f"{figure} = {value!r}: no successful request measured it"

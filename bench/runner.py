@@ -25,7 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import RunResult, Summary, summarize
+from bench.metrics import (MixedRun, MixedSummary, RunResult, Summary, summarize,
+                           summarize_mixed, workload_key)
 from bench.prompts import PROMPT_TOKENS, make_prompts
 from bench.systems import System, make_system
 
@@ -35,11 +36,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     model: str = "demo"
-    concurrency: list[int] = field(default_factory=lambda: [1, 8])
-    num_requests: int = 16
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    num_requests: int | None = None     # per workload; None: max(16, 2 x concurrency)
     repeats: int = 2
     max_tokens: int = 64
-    prompt_tokens: str = "short"
+    prompt_kinds: list[str] = field(default_factory=lambda: ["short"])
+    mixed: bool = True
+    mixed_long_tokens: int = 1024
+    mixed_shorts: int = 8
+    mixed_max_tokens: int = 16
+    # After sending the long prompt, the short ones follow this much later: long enough
+    # for every server to have tokenized it and begun its prefill.
+    mixed_head_start_s: float = 0.3
     systems: list[str] = field(default_factory=lambda: ["headroom", "mlx_lm_server", "inprocess"])
     startup_timeout_s: float = 180.0
     workload_timeout_s: float = 300.0
@@ -47,6 +55,11 @@ class ServeConfig:
     mlx_lm_args: list[str] = field(default_factory=list)
     touch: bool = False
     command: str = ""
+
+
+def requests_for(cfg: ServeConfig, concurrency: int) -> int:
+    """Enough requests that every stream slot turns over at least once."""
+    return cfg.num_requests if cfg.num_requests is not None else max(16, 2 * concurrency)
 
 
 def resolve_model(name: str) -> tuple[str, Path, dict[str, Any]]:
@@ -98,10 +111,10 @@ def _git() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty_files": dirty.splitlines()}
 
 
-def _warm(system: System, encode: Any, cfg: ServeConfig, target: int) -> dict[str, Any]:
+def _warm(system: System, encode: Any, cfg: ServeConfig) -> dict[str, Any]:
     """A first workload per system, discarded: model load, kernel setup, lazy imports."""
     num = max(2, max(cfg.concurrency))
-    prompts = make_prompts(encode, f"warm-{system.name}", num, target)
+    prompts = make_prompts(encode, f"warm-{system.name}", num, PROMPT_TOKENS[cfg.prompt_kinds[0]])
     run = system.run(prompts, concurrency=max(cfg.concurrency), max_tokens=cfg.max_tokens,
                      repetition=-1, timeout_s=cfg.workload_timeout_s)
     errors = [r.error for r in run.requests if not r.ok]
@@ -129,27 +142,72 @@ def _touch(system: System, encode: Any, cfg: ServeConfig) -> int:
     return system.worker_restarts() - before
 
 
-def _measure(systems: list[System], encode: Any, cfg: ServeConfig, target: int,
-             touches: dict[str, int]) -> dict[tuple[str, int], list[RunResult]]:
-    """Every (repetition, concurrency) workload on every system, in rotated order."""
-    runs: dict[tuple[str, int], list[RunResult]] = {}
+@dataclass(slots=True)
+class Measured:
+    runs: dict[tuple[str, str], list[RunResult]] = field(default_factory=dict)
+    mixed: dict[str, list[MixedRun]] = field(default_factory=dict)
+    touches: dict[str, int] = field(default_factory=dict)  # worker restarts seen by touches
+
+
+def _rotated(systems: list[System], turn: int) -> list[System]:
+    shift = turn % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
+def _measure(systems: list[System], encode: Any, cfg: ServeConfig) -> Measured:
+    """Every workload of every repetition on every system, in rotated order."""
+    out = Measured()
+    turn = 0
     for rep in range(cfg.repeats):
-        for ci, c in enumerate(cfg.concurrency):
-            prompts = make_prompts(encode, f"r{rep}c{c}", cfg.num_requests, target)
-            shift = (rep * len(cfg.concurrency) + ci) % len(systems)
-            for system in systems[shift:] + systems[:shift]:
-                if cfg.touch:
-                    touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
-                restarts, cpu_s = system.worker_restarts(), system.cpu_s()
-                run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens,
-                                 repetition=rep, timeout_s=cfg.workload_timeout_s)
-                run.cpu_s = system.cpu_s() - cpu_s
-                run.worker_restarts = system.worker_restarts() - restarts
-                log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
-                         sum(r.completion_tokens for r in run.requests if r.ok) / max(run.wall_s, 1e-9),
-                         sum(r.ok for r in run.requests), len(run.requests))
-                runs.setdefault((system.name, c), []).append(run)
-    return runs
+        for kind in cfg.prompt_kinds:
+            for c in cfg.concurrency:
+                prompts = make_prompts(encode, f"r{rep}{kind[0]}{c}", requests_for(cfg, c),
+                                       PROMPT_TOKENS[kind])
+                for system in _rotated(systems, turn):
+                    run = _one_workload(system, encode, cfg, prompts, c, rep, out.touches)
+                    run.prompt_kind = kind
+                    out.runs.setdefault((system.name, workload_key(kind, c)), []).append(run)
+                turn += 1
+        if cfg.mixed:
+            long_prompt = make_prompts(encode, f"r{rep}L", 1, cfg.mixed_long_tokens)[0]
+            shorts = make_prompts(encode, f"r{rep}s", cfg.mixed_shorts, PROMPT_TOKENS["short"])
+            for system in _rotated(systems, turn):
+                out.mixed.setdefault(system.name, []).append(
+                    _one_mixed(system, encode, cfg, long_prompt, shorts, rep, out.touches))
+            turn += 1
+    return out
+
+
+def _one_workload(system: System, encode: Any, cfg: ServeConfig, prompts: list[Any], c: int,
+                  rep: int, touches: dict[str, int]) -> RunResult:
+    if cfg.touch:
+        touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
+    restarts, cpu_s = system.worker_restarts(), system.cpu_s()
+    run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens, repetition=rep,
+                     timeout_s=cfg.workload_timeout_s)
+    run.cpu_s = system.cpu_s() - cpu_s
+    run.worker_restarts = system.worker_restarts() - restarts
+    log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
+             sum(r.completion_tokens for r in run.requests if r.ok) / max(run.wall_s, 1e-9),
+             sum(r.ok for r in run.requests), len(run.requests))
+    return run
+
+
+def _one_mixed(system: System, encode: Any, cfg: ServeConfig, long_prompt: Any,
+               shorts: list[Any], rep: int, touches: dict[str, int]) -> MixedRun:
+    if cfg.touch:
+        touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
+    restarts = system.worker_restarts()
+    run = system.run_mixed(long_prompt, shorts, max_tokens=cfg.mixed_max_tokens,
+                           head_start_s=cfg.mixed_head_start_s, repetition=rep,
+                           timeout_s=cfg.workload_timeout_s)
+    run.worker_restarts = system.worker_restarts() - restarts
+    ttfts = sorted(r.ttft_s for r in run.shorts if r.ttft_s is not None)
+    log.info("rep %d mixed %-14s long TTFT %s s, short TTFT max %s s, %d/%d ok", rep, system.name,
+             f"{run.long.ttft_s:.2f}" if run.long.ttft_s is not None else "-",
+             f"{ttfts[-1]:.2f}" if ttfts else "-",
+             sum(r.ok for r in [run.long, *run.shorts]), len(run.shorts) + 1)
+    return run
 
 
 def run_serve(cfg: ServeConfig) -> dict[str, Any]:
@@ -160,11 +218,9 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
 
     model_arg, folder, model_info = resolve_model(cfg.model)
     encode = load_tokenizer(folder).encode
-    target = PROMPT_TOKENS[cfg.prompt_tokens]
     run_dir = Path(tempfile.mkdtemp(prefix="headroom-bench-"))  # 0700: fine as XDG_RUNTIME_DIR
     log.info("server logs in %s (removed after a clean run)", run_dir)
     warmup: dict[str, Any] = {}
-    touches: dict[str, int] = {}  # worker restarts that happened during touches
     load_before = os.getloadavg()
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -177,19 +233,26 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             system.start(cfg.startup_timeout_s)
             systems.append(system)
         for system in systems:
-            warmup[system.name] = _warm(system, encode, cfg, target)
-        runs = _measure(systems, encode, cfg, target, touches)
+            warmup[system.name] = _warm(system, encode, cfg)
+        measured = _measure(systems, encode, cfg)
         described = {s.name: s.describe() for s in systems}
     # Reached only without an exception: keep the server logs when something failed.
     shutil.rmtree(run_dir, ignore_errors=True)
-    summaries: dict[str, dict[int, Summary]] = {}
-    for (name, c), rs in runs.items():
-        summaries.setdefault(name, {})[c] = summarize(rs)
+    summaries: dict[str, dict[str, Summary]] = {}
+    for (name, key), rs in measured.runs.items():
+        summaries.setdefault(name, {})[key] = summarize(rs)
+    mixed: dict[str, MixedSummary] = {name: summarize_mixed(rs) for name, rs in measured.mixed.items()}
     meta = {"command": cfg.command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(), "git": _git(), "model": model_info, "max_tokens": cfg.max_tokens,
-            "prompt_tokens": target, "prompt_tokens_label": cfg.prompt_tokens,
-            "requests": cfg.num_requests, "repeats": cfg.repeats, "concurrency": cfg.concurrency,
-            "systems": described, "touch": cfg.touch, "worker_restarts_during_touches": touches,
+            "prompt_tokens": {k: PROMPT_TOKENS[k] for k in cfg.prompt_kinds},
+            "requests": {str(c): requests_for(cfg, c) for c in cfg.concurrency},
+            "repeats": cfg.repeats, "concurrency": cfg.concurrency,
+            "mixed": {"long_prompt_tokens": cfg.mixed_long_tokens, "shorts": cfg.mixed_shorts,
+                      "short_prompt_tokens": PROMPT_TOKENS["short"],
+                      "max_tokens": cfg.mixed_max_tokens, "head_start_s": cfg.mixed_head_start_s}
+            if cfg.mixed else None,
+            "systems": described, "touch": cfg.touch,
+            "worker_restarts_during_touches": measured.touches,
             "duration_s": round(time.monotonic() - started, 1),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "argv": sys.argv}
-    return report.build(meta, summaries, warmup)
+    return report.build(meta, summaries, mixed, warmup)

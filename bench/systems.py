@@ -21,9 +21,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.client import run_workload
+from bench.client import run_mixed, run_workload
 from bench.inprocess import MAX_BATCH_SIZE, PREFILL_BATCH_SIZE, PREFILL_STEP_SIZE, InProcess
-from bench.metrics import RunResult
+from bench.metrics import MixedRun, RunResult
 from bench.procs import ServerProcess, free_port, server_env
 from bench.prompts import Prompt
 
@@ -39,6 +39,9 @@ class System(Protocol):
 
     def run(self, prompts: list[Prompt], *, concurrency: int, max_tokens: int, repetition: int,
             timeout_s: float) -> RunResult: ...
+
+    def run_mixed(self, long_prompt: Prompt, shorts: list[Prompt], *, max_tokens: int,
+                  head_start_s: float, repetition: int, timeout_s: float) -> MixedRun: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -79,6 +82,16 @@ class HttpSystem:
                 return await run_workload(self.url, self.name, prompts, concurrency=concurrency,
                                           max_tokens=max_tokens, extra_body=self.extra_body,
                                           repetition=repetition, request_timeout_s=timeout_s)
+        return asyncio.run(bounded())
+
+    def run_mixed(self, long_prompt: Prompt, shorts: list[Prompt], *, max_tokens: int,
+                  head_start_s: float, repetition: int, timeout_s: float) -> MixedRun:
+        async def bounded() -> MixedRun:
+            async with asyncio.timeout(timeout_s):
+                return await run_mixed(self.url, self.name, long_prompt, shorts,
+                                       max_tokens=max_tokens, head_start_s=head_start_s,
+                                       extra_body=self.extra_body, repetition=repetition,
+                                       request_timeout_s=timeout_s)
         return asyncio.run(bounded())
 
     def describe(self) -> dict[str, Any]:
@@ -183,6 +196,13 @@ class InProcessSystem:
         assert self.engine is not None
         return self.engine.run(prompts, concurrency=concurrency, max_tokens=max_tokens,
                                repetition=repetition, timeout_s=timeout_s)
+
+    def run_mixed(self, long_prompt: Prompt, shorts: list[Prompt], *, max_tokens: int,
+                  head_start_s: float, repetition: int, timeout_s: float) -> MixedRun:
+        assert self.engine is not None
+        return self.engine.run_mixed(long_prompt, shorts, max_tokens=max_tokens,
+                                     head_start_s=head_start_s, repetition=repetition,
+                                     timeout_s=timeout_s)
 
     def describe(self) -> dict[str, Any]:
         return {"batch_generator": {"completion_batch_size": MAX_BATCH_SIZE,

@@ -1,6 +1,7 @@
 """`python -m bench serve` end to end on the demo model, with tiny counts.
 
-Checks the JSON has every figure for every system, each finite and > 0, and no errors.
+Checks the JSON has every figure for every system and workload (short prompts at two
+concurrencies, and the mixed workload), each finite and > 0, and no errors.
 No timing assertions: on a shared 2-core box only the shape of the output is stable.
 The bench runs in a subprocess; on timeout it gets SIGTERM first, so it stops the servers
 it started, and only then SIGKILL.
@@ -23,10 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("headroom", "mlx_lm_server", "inprocess")
 SERVERS = ("headroom", "mlx_lm_server")
 CONCURRENCY = ("1", "2")
+WORKLOADS = tuple(f"short:{c}" for c in CONCURRENCY)
 NUM_REQUESTS, MAX_TOKENS = 2, 8
+MIXED_LONG_TOKENS, MIXED_SHORTS, MIXED_MAX_TOKENS = 96, 2, 4
+MIXED_FIGURES = ("short_ttft_p50_ms", "short_ttft_p99_ms", "short_ttft_max_ms", "long_ttft_p50_ms")
 FIGURES = ("tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "tpot_ms", "cpu_ms_per_token")
-RUN_TIMEOUT_S = 90.0    # the whole bench; it takes ~10 s when the box is quiet
+RUN_TIMEOUT_S = 120.0   # the whole bench; it takes ~15 s when the box is quiet
 STOP_GRACE_S = 20.0     # for the bench to stop its servers after SIGTERM
 
 
@@ -39,6 +43,8 @@ def _run_bench(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench", "serve", "--model", "demo",
             "--requests", str(NUM_REQUESTS), "--repeats", "1", "--max-tokens", str(MAX_TOKENS),
             "--concurrency", ",".join(CONCURRENCY), "--systems", ",".join(SYSTEMS),
+            "--mixed-long-tokens", str(MIXED_LONG_TOKENS), "--mixed-shorts", str(MIXED_SHORTS),
+            "--mixed-max-tokens", str(MIXED_MAX_TOKENS),
             "--startup-timeout", "60", "--workload-timeout", "60", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
     env.update(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
@@ -68,10 +74,10 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
     results = doc["results"]
     assert sorted(results) == sorted(SYSTEMS), results.keys()
     for system in SYSTEMS:
-        assert sorted(results[system]) == sorted(CONCURRENCY), (system, results[system].keys())
-        for c in CONCURRENCY:
-            r = results[system][c]
-            where = f"{system} c={c}"
+        assert sorted(results[system]) == sorted(WORKLOADS), (system, results[system].keys())
+        for w in WORKLOADS:
+            r = results[system][w]
+            where = f"{system} {w}"
             assert r["errors"] == 0, (where, r["error_samples"], notes)
             # A worker restart is an error the client never sees (its requests are retried).
             assert r["worker_restarts"] == 0, (where, notes)
@@ -83,18 +89,29 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
     derived = doc["derived"]
     for key in ("tps_ratio_vs_headroom", "tps_ratio_vs_inprocess"):
         for system in SYSTEMS:
-            for c in CONCURRENCY:
-                assert _is_good(derived[key][system][c]), (key, system, c, derived[key])
+            for w in WORKLOADS:
+                assert _is_good(derived[key][system][w]), (key, system, w, derived[key])
     by_name = {f"{key}[{system}]": derived[key][system]
                for key in ("overhead_us_per_token", "added_ttft_ms") for system in SERVERS}
-    by_name.update({f"cpu_overhead_us_per_token[{system}][{c}]":
-                    derived["cpu_overhead_us_per_token"][system][c]
-                    for system in SERVERS for c in CONCURRENCY})
+    by_name.update({f"cpu_overhead_us_per_token[{system}][{w}]":
+                    derived["cpu_overhead_us_per_token"][system][w]
+                    for system in SERVERS for w in WORKLOADS})
     for name, value in by_name.items():
         assert isinstance(value, (int, float)) and math.isfinite(value), (name, value)
         # With 2 requests a server can land within noise of the in-process floor; the
         # contract is then that the output says so, rather than a silent bad figure.
         assert value > 0 or any(name in n for n in notes), (name, value, notes)
+
+    mixed = doc["mixed"]
+    assert sorted(mixed) == sorted(SYSTEMS), mixed.keys()
+    for system in SYSTEMS:
+        m = mixed[system]
+        assert m["errors"] == 0, (system, m["error_samples"], notes)
+        assert m["worker_restarts"] == 0, (system, notes)
+        assert m["rounds"] == 1 and m["short_requests"] == MIXED_SHORTS, (system, m)
+        for fig in MIXED_FIGURES:
+            assert _is_good(m[fig]), (system, fig, m[fig], notes)
+        assert _is_good(derived["mixed_short_ttft_p99_ratio_vs_headroom"][system]), (system, derived)
 
     assert {t["target"] for t in doc["targets"]}, "targets are printed beside the figures"
     assert doc["meta"]["model"]["name"] == "demo"
