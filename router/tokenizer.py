@@ -4,9 +4,9 @@ The router tokenizes, as vLLM's and SGLang's front ends do, so that it can count
 tokens exactly and refuse a request before any GPU work. `transformers` is used once, in
 `RouterTokenizer.load`, to read the model folder the way the model's authors configured
 it; every call after that goes straight to the Rust `tokenizers` object, because
-`encode` runs in a thread pool for each request (through a batch call, the one that
-releases the GIL) and detokenization runs on the event loop for every token of every
-stream. Nothing here imports `mlx` or `mlx_lm`.
+`encode` runs for each request (through a batch call, the one that releases the GIL when
+router/api.py sends a long prompt to its thread pool) and detokenization runs on the
+event loop for every token of every stream. Nothing here imports `mlx` or `mlx_lm`.
 
 Chat templates come from the model folder and are untrusted code. They are compiled once,
 in a jinja2 `ImmutableSandboxedEnvironment` with the globals Hugging Face templates expect,
