@@ -59,7 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="demo | bench-shaped | PATH to an mlx-lm folder")
     p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="e.g. 1,8,32")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per workload repetition (default: max(16, 2 x concurrency))")
+                   help="requests per workload repetition (default: max(32, 2 x concurrency))")
     p.add_argument("--repeats", type=int, default=2, help="repetitions of each workload")
     p.add_argument("--max-tokens", type=int, default=64, help="exact output length of every request")
     p.add_argument("--prompt-tokens", type=_kinds, default=["short"], metavar="KIND[,KIND]",

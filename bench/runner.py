@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class ServeConfig:
     model: str = "demo"
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
-    num_requests: int | None = None     # per workload; None: max(16, 2 x concurrency)
+    num_requests: int | None = None     # per workload; None: max(32, 2 x concurrency)
     repeats: int = 2
     max_tokens: int = 64
     prompt_kinds: list[str] = field(default_factory=lambda: ["short"])
@@ -59,7 +59,7 @@ class ServeConfig:
 
 def requests_for(cfg: ServeConfig, concurrency: int) -> int:
     """Enough requests that every stream slot turns over at least once."""
-    return cfg.num_requests if cfg.num_requests is not None else max(16, 2 * concurrency)
+    return cfg.num_requests if cfg.num_requests is not None else max(32, 2 * concurrency)
 
 
 def resolve_model(name: str) -> tuple[str, Path, dict[str, Any]]:
