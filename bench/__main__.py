@@ -65,6 +65,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_kinds, default=["short"], metavar="KIND[,KIND]",
                    help="prompt kinds, each run at every concurrency: "
                         + ", ".join(f"{k} ~{v} tokens" for k, v in PROMPT_TOKENS.items()))
+    p.add_argument("--paired", type=int, default=32, metavar="N",
+                   help="short prompts sent to every system back to back at c=1, for the added "
+                        "TTFT and overhead figures (0: skip)")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the mixed workload (one long prompt, then short ones while it prefills)")
     p.add_argument("--mixed-long-tokens", type=int, default=1024, help="the mixed workload's long prompt")
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     counts = [args.repeats, args.max_tokens, args.mixed_long_tokens, args.mixed_shorts,
               args.mixed_max_tokens] + ([args.requests] if args.requests is not None else [])
-    if min(counts) < 1:
-        log.error("--requests, --repeats, --max-tokens and the --mixed-* counts must be >= 1")
+    if min(counts) < 1 or args.paired < 0:
+        log.error("--requests, --repeats, --max-tokens and the --mixed-* counts must be >= 1, "
+                  "--paired >= 0")
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ServeConfig(model=args.model, concurrency=args.concurrency, num_requests=args.requests,
                       repeats=args.repeats, max_tokens=args.max_tokens,
-                      prompt_kinds=args.prompt_tokens, mixed=args.mixed,
+                      prompt_kinds=args.prompt_tokens, mixed=args.mixed, paired=args.paired,
                       mixed_long_tokens=args.mixed_long_tokens, mixed_shorts=args.mixed_shorts,
                       mixed_max_tokens=args.mixed_max_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,

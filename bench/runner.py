@@ -27,6 +27,7 @@ from typing import Any
 
 from bench.metrics import (MixedRun, MixedSummary, RunResult, Summary, summarize,
                            summarize_mixed, workload_key)
+from bench.paired import PairedSummary, run_paired, summarize_paired
 from bench.prompts import PROMPT_TOKENS, make_prompts
 from bench.systems import System, make_system
 
@@ -42,6 +43,7 @@ class ServeConfig:
     max_tokens: int = 64
     prompt_kinds: list[str] = field(default_factory=lambda: ["short"])
     mixed: bool = True
+    paired: int = 32                    # prompts sent to every system back to back (0: none)
     mixed_long_tokens: int = 1024
     mixed_shorts: int = 8
     mixed_max_tokens: int = 16
@@ -123,6 +125,20 @@ def _warm(system: System, encode: Any, cfg: ServeConfig) -> dict[str, Any]:
                     len(run.requests), errors[0])
     return {"requests": len(run.requests), "errors": len(errors), "wall_s": run.wall_s,
             "error_samples": sorted(set(e or "" for e in errors))[:3]}
+
+
+def _paired(systems: list[System], encode: Any, cfg: ServeConfig) -> dict[str, PairedSummary]:
+    """Short prompts at c=1, each sent to every system back to back (bench/paired.py)."""
+    if cfg.paired <= 0:
+        return {}
+    prompts = make_prompts(encode, "p", cfg.paired, PROMPT_TOKENS["short"])
+    results = run_paired(systems, prompts, cfg.max_tokens, cfg.workload_timeout_s)
+    summaries = summarize_paired(results, cfg.max_tokens)
+    for s in summaries.values():
+        log.info("paired %-14s TTFT p50 %.2f ms, added %s ms, %d/%d ok", s.system, s.ttft_p50_ms,
+                 "-" if s.added_ttft_ms is None else f"{s.added_ttft_ms:.2f}",
+                 s.requests - s.errors, s.requests)
+    return summaries
 
 
 def _touch(system: System, encode: Any, cfg: ServeConfig) -> int:
@@ -234,6 +250,7 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             systems.append(system)
         for system in systems:
             warmup[system.name] = _warm(system, encode, cfg)
+        paired = _paired(systems, encode, cfg)
         measured = _measure(systems, encode, cfg)
         described = {s.name: s.describe() for s in systems}
     # Reached only without an exception: keep the server logs when something failed.
@@ -246,6 +263,7 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             "machine": _machine(), "git": _git(), "model": model_info, "max_tokens": cfg.max_tokens,
             "prompt_tokens": {k: PROMPT_TOKENS[k] for k in cfg.prompt_kinds},
             "requests": {str(c): requests_for(cfg, c) for c in cfg.concurrency},
+            "paired_requests": cfg.paired,
             "repeats": cfg.repeats, "concurrency": cfg.concurrency,
             "mixed": {"long_prompt_tokens": cfg.mixed_long_tokens, "shorts": cfg.mixed_shorts,
                       "short_prompt_tokens": PROMPT_TOKENS["short"],
@@ -255,4 +273,4 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
             "worker_restarts_during_touches": measured.touches,
             "duration_s": round(time.monotonic() - started, 1),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "argv": sys.argv}
-    return report.build(meta, summaries, mixed, warmup)
+    return report.build(meta, summaries, mixed, warmup, paired)

@@ -1,7 +1,8 @@
 """`python -m bench serve` end to end on the demo model, with tiny counts.
 
 Checks the JSON has every figure for every system and workload (short prompts at two
-concurrencies, and the mixed workload), each finite and > 0, and no errors.
+concurrencies, the mixed workload and the paired c=1 requests), each finite and > 0 (or
+said not to be, for a cost within noise of the in-process floor), and no errors.
 No timing assertions: on a shared 2-core box only the shape of the output is stable.
 The bench runs in a subprocess; on timeout it gets SIGTERM first, so it stops the servers
 it started, and only then SIGKILL.
@@ -27,6 +28,7 @@ CONCURRENCY = ("1", "2")
 WORKLOADS = tuple(f"short:{c}" for c in CONCURRENCY)
 NUM_REQUESTS, MAX_TOKENS = 2, 8
 MIXED_LONG_TOKENS, MIXED_SHORTS, MIXED_MAX_TOKENS = 96, 2, 4
+PAIRED = 3
 MIXED_FIGURES = ("short_ttft_p50_ms", "short_ttft_p99_ms", "short_ttft_max_ms", "long_ttft_p50_ms")
 FIGURES = ("tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "tpot_ms", "cpu_ms_per_token")
@@ -44,7 +46,7 @@ def _run_bench(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
             "--requests", str(NUM_REQUESTS), "--repeats", "1", "--max-tokens", str(MAX_TOKENS),
             "--concurrency", ",".join(CONCURRENCY), "--systems", ",".join(SYSTEMS),
             "--mixed-long-tokens", str(MIXED_LONG_TOKENS), "--mixed-shorts", str(MIXED_SHORTS),
-            "--mixed-max-tokens", str(MIXED_MAX_TOKENS),
+            "--mixed-max-tokens", str(MIXED_MAX_TOKENS), "--paired", str(PAIRED),
             "--startup-timeout", "60", "--workload-timeout", "60", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
     env.update(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
@@ -112,6 +114,18 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
         for fig in MIXED_FIGURES:
             assert _is_good(m[fig]), (system, fig, m[fig], notes)
         assert _is_good(derived["mixed_short_ttft_p99_ratio_vs_headroom"][system]), (system, derived)
+
+    paired = doc["paired"]
+    assert sorted(paired) == sorted(SYSTEMS), paired.keys()
+    for system in SYSTEMS:
+        p = paired[system]
+        assert p["errors"] == 0 and p["requests"] == PAIRED, (system, p, notes)
+        assert _is_good(p["ttft_p50_ms"]) and _is_good(p["latency_p50_ms"]), (system, p)
+    for system in SERVERS:
+        for key in ("added_ttft_paired_ms", "overhead_paired_us_per_token"):
+            value = derived[key][system]
+            assert isinstance(value, (int, float)) and math.isfinite(value), (key, system, value)
+            assert value > 0 or any(f"{key}[{system}]" in n for n in notes), (key, system, value, notes)
 
     assert {t["target"] for t in doc["targets"]}, "targets are printed beside the figures"
     assert doc["meta"]["model"]["name"] == "demo"

@@ -87,6 +87,33 @@ def test_derived_figures_and_targets() -> None:
     assert doc["notes"] == []
 
 
+def test_paired_differences_are_per_prompt_medians() -> None:
+    from bench.paired import summarize_paired
+
+    # The machine slows down between prompts; per-prompt differences cancel that out.
+    floor = [_req(t) for t in (0.050, 0.100, 0.200)]
+    server = [_req(t + 0.002) for t in (0.050, 0.100, 0.200)]
+    for r in floor + server:
+        r.latency_s = (r.ttft_s or 0) + 0.3
+    server[2].latency_s = (server[2].ttft_s or 0) + 0.3 + 64 * 0.001  # one slow tail
+    out = summarize_paired({"headroom": server, "inprocess": floor}, max_tokens=64)
+    assert out["headroom"].added_ttft_ms == pytest.approx(2.0)
+    assert out["headroom"].overhead_us_per_token == pytest.approx(0.002 / 64 * 1e6)
+    assert out["inprocess"].added_ttft_ms is None
+    doc = report.build({"model": {"name": "demo"}}, {}, {}, {}, out)
+    assert doc["derived"]["added_ttft_paired_ms"]["headroom"] == pytest.approx(2.0)
+    target = {t["target"]: t for t in doc["targets"]}["headroom added TTFT vs inprocess, paired c=1 (ms)"]
+    assert target["verdict"] == "MET"
+
+
+def test_a_cost_at_or_below_zero_gets_no_verdict() -> None:
+    targets = report.targets({"tps_ratio_vs_headroom": {}, "tps_ratio_vs_inprocess": {},
+                              "added_ttft_ms": {"headroom": -1.3}, "added_ttft_paired_ms": {},
+                              "mixed_short_ttft_p99_ratio_vs_headroom": {}}, "demo")
+    row = {t["target"]: t for t in targets}["headroom added TTFT vs inprocess at c=1 (ms)"]
+    assert row["verdict"] == "within noise"
+
+
 def test_a_figure_that_is_not_positive_gets_a_note() -> None:
     doc = _doc({"headroom": 1.0, "mlx_lm_server": 0.4})
     targets = {t["target"]: t for t in doc["targets"]}
