@@ -177,7 +177,7 @@ def render(doc: dict[str, Any]) -> str:
     """The table printed to stdout."""
     d, m = doc["derived"], doc["meta"]
     kinds = ", ".join(f"{k} ~{v}" for k, v in m["prompt_tokens"].items())
-    head = (f"{'system':<14}{'workload':>9}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}"
+    head = (f"{'system':<14}{'workload':>9}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>11}{'p99':>10}"
             f"{'ITL p50':>9}{'p99':>8}{'TPOT':>7}{'chunk/req':>10}{'CPU/tok':>8}{'err':>5}"
             f"{'÷headroom':>10}{'÷inproc':>9}{'rep spread':>11}")
     lines = [f"model {m['model']['name']} ({m['model']['folder']}), max_tokens {m['max_tokens']}, "
@@ -195,7 +195,7 @@ def render(doc: dict[str, Any]) -> str:
         for w, r in by_w.items():
             lines.append(
                 f"{s:<14}{w:>9}{_fmt(r['tokens_per_s'], 1):>9}{_fmt(r['requests_per_s']):>8}"
-                f"{_fmt(r['ttft_p50_ms']):>10}{_fmt(r['ttft_p99_ms']):>8}{_fmt(r['itl_p50_ms']):>9}"
+                f"{_fmt(r['ttft_p50_ms']):>11}{_fmt(r['ttft_p99_ms']):>10}{_fmt(r['itl_p50_ms']):>9}"
                 f"{_fmt(r['itl_p99_ms']):>8}{_fmt(r['tpot_ms']):>7}{_fmt(r['chunks_per_request'], 1):>10}"
                 f"{_fmt(r['cpu_ms_per_token']):>8}{r['errors']:>5}"
                 f"{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(w), 3):>10}"

@@ -143,6 +143,23 @@ class Engine:
         """Prompt tokens processed so far (the generator's private counter)."""
         return int(self.generator._counters.prompt_tokens)
 
+    def longest_prefill_left(self) -> int:
+        """The most prompt tokens (before the last one) any row of the next chunk has left.
+
+        Rows being prefilled hold their prompt as segments, [rest, [last token]] (the
+        last token is fed when the row moves to decoding); rows waiting to join hold theirs
+        whole. Only the rows the next step will take are counted.
+        """
+        g = self.generator
+        segments = [seq[0] for seq in g._currently_processing]
+        room = min(g.prefill_batch_size - len(g._prompt_batch),
+                   g.completion_batch_size - len(g._generation_batch))
+        for i, waiting in enumerate(g._unprocessed_sequences):
+            if i >= room:
+                break
+            segments.append(waiting[1])
+        return max((len(s[0]) for s in segments if len(s) > 1), default=0)
+
     def prefill_rows(self) -> int:
         """Rows that the next step's prefill chunk covers."""
         g = self.generator

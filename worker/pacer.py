@@ -26,9 +26,20 @@ class ChunkPacer:
         else:
             self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
 
-    def chunk(self, rows: int) -> int:
-        """Tokens per row for the next prefill chunk."""
+    def chunk(self, rows: int, longest_left: int = 0) -> int:
+        """Tokens per row for the next prefill chunk.
+
+        ``longest_left`` is the most prompt any of those rows still has to prefill. When
+        it is within twice the paced chunk, the chunk takes all of it: one forward pass
+        instead of two or three is cheaper (each pass has a fixed cost, and short prompts
+        padded beside each other pay it per row), and the rows start decoding steps
+        earlier. A step then takes at most about twice the budget.
+        """
         if self.tokens_per_s is None:
-            return self.first_chunk
-        per_row = int(self.tokens_per_s * self.budget_s / max(rows, 1))
-        return max(16, min(self.max_chunk, per_row))
+            paced = self.first_chunk
+        else:
+            per_row = int(self.tokens_per_s * self.budget_s / max(rows, 1))
+            paced = max(16, min(self.max_chunk, per_row))
+        if 0 < longest_left <= 2 * paced:
+            return min(longest_left, self.max_chunk)
+        return paced

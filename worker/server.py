@@ -329,7 +329,7 @@ class WorkerServer:
         rows = self.engine.prefill_rows()
         if rows == 0 or self.under_pressure:
             return
-        chunk = self.pacer.chunk(rows)
+        chunk = self.pacer.chunk(rows, self.engine.longest_prefill_left())
         if self.opts.admission:
             free = max(0, self.memory.model.budget_bytes - self.memory.reserved_bytes)
             context = max(self.engine.totals(), default=chunk)

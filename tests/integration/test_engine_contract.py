@@ -36,7 +36,8 @@ def test_generator_signature_we_call() -> None:
 def test_private_attributes_we_read_and_write(engine: Engine) -> None:
     g = engine.generator
     for name in ("prefill_step_size", "prefill_batch_size", "completion_batch_size",
-                 "_prompt_batch", "_unprocessed_sequences", "_generation_batch", "_counters"):
+                 "_prompt_batch", "_unprocessed_sequences", "_generation_batch", "_counters",
+                 "_currently_processing"):
         assert hasattr(g, name), name
     assert isinstance(g._counters.prompt_tokens, int)
 
@@ -51,6 +52,23 @@ def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
     engine.set_prefill_step(32)
     engine.step()
     assert engine.num_prefilled_tokens() - before == 48
+    while engine.has_work:
+        engine.step()
+
+
+def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:
+    assert engine.longest_prefill_left() == 0
+    engine.set_prefill_step(16)
+    engine.add("long", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
+               ignore_eos=True)  # 100 tokens: 99 to prefill, the last fed when decoding
+    engine.add("short", list(range(3, 13)), max_tokens=2, temperature=0, top_p=1, seed=None,
+               ignore_eos=True)
+    assert engine.longest_prefill_left() == 99  # waiting rows count whole
+    engine.step()
+    assert engine.longest_prefill_left() == 99 - 16  # the short one is done with its 9
+    engine.set_prefill_step(engine.longest_prefill_left())
+    engine.step()
+    assert engine.longest_prefill_left() == 0  # only last tokens left
     while engine.has_work:
         engine.step()
 

@@ -62,6 +62,24 @@ def test_a_fast_step_grows_the_chunk_gradually() -> None:
     assert pacer.chunk(1) == pytest.approx(1000, abs=2)
 
 
+def test_prompts_within_twice_the_chunk_finish_in_one() -> None:
+    pacer = ChunkPacer(0.5, 512)
+    pacer.observe(256, 1.0)  # 256 tokens/s: 16 per row for 8 rows
+    assert pacer.chunk(8) == 16
+    assert pacer.chunk(8, longest_left=31) == 31  # one pass instead of two
+    assert pacer.chunk(8, longest_left=32) == 32
+    assert pacer.chunk(8, longest_left=33) == 16  # a long prompt stays paced
+    assert pacer.chunk(8, longest_left=0) == 16
+    assert pacer.chunk(1, longest_left=10) == 10  # no bigger than what is left
+
+
+def test_finishing_never_exceeds_the_max_chunk() -> None:
+    pacer = ChunkPacer(0.5, 40)
+    pacer.observe(1_000_000, 1.0)
+    assert pacer.chunk(1) == 40
+    assert pacer.chunk(1, longest_left=70) == 40
+
+
 @pytest.mark.parametrize(("tokens", "seconds"), [(0, 1.0), (-5, 1.0), (100, 0.0), (100, -1.0),
                                                   (0, 0.0)])
 def test_zero_or_negative_observations_are_ignored(tokens: int, seconds: float) -> None:
@@ -79,15 +97,20 @@ def test_zero_or_negative_observations_are_ignored(tokens: int, seconds: float) 
        # Step durations are monotonic-clock differences: zero, or at least a microsecond.
        steps=st.lists(st.tuples(st.integers(-10, 100_000),
                                 st.floats(-1.0, 0.0) | st.floats(1e-6, 30.0)), max_size=20),
-       rows=st.integers(1, 64))
+       rows=st.integers(1, 64), longest_left=st.integers(0, 20_000))
 def test_chunk_is_always_within_bounds(budget: float, max_chunk: int,
-                                       steps: list[tuple[int, float]], rows: int) -> None:
+                                       steps: list[tuple[int, float]], rows: int,
+                                       longest_left: int) -> None:
     pacer = ChunkPacer(budget, max_chunk)
     for tokens, seconds in steps:
         pacer.observe(tokens, seconds)
-    chunk = pacer.chunk(rows)
-    assert isinstance(chunk, int)
-    assert MIN_CHUNK <= chunk <= max_chunk or chunk == min(64, max_chunk)
+    paced = pacer.chunk(rows)
+    assert isinstance(paced, int)
+    assert MIN_CHUNK <= paced <= max_chunk or paced == min(64, max_chunk)
+    chunk = pacer.chunk(rows, longest_left)
+    assert 1 <= chunk <= max_chunk
+    assert chunk <= 2 * paced  # a step stays within about twice the budget
+    assert chunk == paced or chunk == min(longest_left, max_chunk)
 
 
 @FAST
