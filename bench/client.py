@@ -98,7 +98,7 @@ def _check(done: bool, finish: str | None, res: RequestResult, max_tokens: int) 
     return None
 
 
-def _body(prompt: Prompt, max_tokens: int, extra_body: dict[str, Any]) -> dict[str, Any]:
+def request_body(prompt: Prompt, max_tokens: int, extra_body: dict[str, Any]) -> dict[str, Any]:
     """Greedy (temperature 0), no seed, fixed length, usage in the stream."""
     body: dict[str, Any] = {"model": "bench", "prompt": prompt.text, "max_tokens": max_tokens,
                             "temperature": 0.0, "stream": True,
@@ -116,10 +116,11 @@ async def run_mixed(base_url: str, system: str, long_prompt: Prompt, shorts: lis
     connector = aiohttp.TCPConnector(limit=len(shorts) + 1)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         long_task = asyncio.create_task(
-            one_request(session, url, _body(long_prompt, max_tokens, extra_body), max_tokens))
+            one_request(session, url, request_body(long_prompt, max_tokens, extra_body), max_tokens))
         await asyncio.sleep(head_start_s)
         short_results = await asyncio.gather(
-            *(one_request(session, url, _body(p, max_tokens, extra_body), max_tokens) for p in shorts))
+            *(one_request(session, url, request_body(p, max_tokens, extra_body), max_tokens)
+              for p in shorts))
         long_result = await long_task
     bad = [r.error for r in [long_result, *short_results] if not r.ok]
     if bad:
@@ -140,7 +141,7 @@ async def run_workload(base_url: str, system: str, prompts: list[Prompt], *, con
     async def user(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
-            results.append(await one_request(session, url, _body(prompt, max_tokens, extra_body),
+            results.append(await one_request(session, url, request_body(prompt, max_tokens, extra_body),
                                              max_tokens))
 
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)

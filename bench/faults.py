@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -33,6 +32,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from bench import cli
 
 log = logging.getLogger("bench.faults")
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,16 +198,12 @@ async def soak(r: RouterUnderTest, seconds: float, kill_every_s: float, concurre
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser("faults", __doc__)
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--soak-s", type=float, default=600.0)
     p.add_argument("--kill-every-s", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--json", type=Path, default=None)
-    ns = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    ns = cli.parse(p, argv)
     with tempfile.TemporaryDirectory(prefix="hr-faults-") as tmp:
         r = RouterUnderTest(Path(tmp), [])
         try:

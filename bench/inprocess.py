@@ -73,18 +73,7 @@ class InProcess:
                 sent = time.perf_counter()
                 (uid,) = gen.insert([prompt.token_ids], max_tokens=[max_tokens])
                 live[uid] = _Live(RequestResult(), sent, sent)
-            _, responses = gen.next()
-            now = time.perf_counter()
-            for r in responses:
-                entry = live.get(r.uid)
-                if entry is None:
-                    continue
-                _record_token(entry, now)
-                if r.finish_reason is not None:
-                    r.prompt_cache = None  # as Headroom's engine does: free the cache now
-                    _finish(entry, r.finish_reason, now, max_tokens)
-                    done.append(entry.result)
-                    del live[r.uid]
+            done.extend(self._step(live, max_tokens))
         wall_s = time.perf_counter() - started
         return RunResult(system=system, concurrency=concurrency, repetition=repetition,
                          wall_s=wall_s, requests=done)
@@ -116,23 +105,30 @@ class InProcess:
             if not live:
                 time.sleep(min(0.01, max(0.0, arrival - time.perf_counter())))
                 continue
-            _, responses = gen.next()
-            now = time.perf_counter()
-            for r in responses:
-                entry = live.get(r.uid)
-                if entry is None:
-                    continue
-                _record_token(entry, now)
-                if r.finish_reason is not None:
-                    r.prompt_cache = None
-                    _finish(entry, r.finish_reason, now, max_tokens)
-                    del live[r.uid]
+            self._step(live, max_tokens)
         if not short_results:  # timed out before they arrived
             short_results = [RequestResult() for _ in shorts]
         for res in [long_result, *short_results]:
             if res.error is None and not res.ok:
                 res.error = f"timed out after {timeout_s:.0f} s"
         return MixedRun(system=system, repetition=repetition, long=long_result, shorts=short_results)
+
+    def _step(self, live: dict[int, _Live], max_tokens: int) -> list[RequestResult]:
+        """One generator step: record each live request's token; returns those finished."""
+        _, responses = self.generator.next()
+        now = time.perf_counter()
+        finished: list[RequestResult] = []
+        for r in responses:
+            entry = live.get(r.uid)
+            if entry is None:
+                continue
+            _record_token(entry, now)
+            if r.finish_reason is not None:
+                r.prompt_cache = None  # as Headroom's engine does: free the cache now
+                _finish(entry, r.finish_reason, now, max_tokens)
+                finished.append(entry.result)
+                del live[r.uid]
+        return finished
 
     def _abandon(self, live: dict[int, _Live], pending: deque[Prompt], timeout_s: float) -> list[RequestResult]:
         """Remove what is still running and report it (and what never started) as errors."""

@@ -14,7 +14,6 @@ in-process on the pure functions the router calls per request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from bench import cli
 from bench.faults import RouterUnderTest
 
 log = logging.getLogger("bench.memory")
@@ -101,15 +101,11 @@ def decision_timing(samples: int = 20000) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser("memory", __doc__)
     p.add_argument("--limit-mb", type=int, default=200)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--json", type=Path, default=None)
-    ns = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    ns = cli.parse(p, argv)
     bodies = mix(ns.requests)
     limit = ["--memory-limit-mb", str(ns.limit_mb), "--oom-guard", "abort"]
     systems = {"admission": limit, "no_admission": [*limit, "--unsafe-no-admission"], "unlimited": []}

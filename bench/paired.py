@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.client import _body, one_request
+from bench.client import one_request, request_body
 from bench.metrics import RequestResult
 from bench.prompts import Prompt
 from bench.systems import HttpSystem, InProcessSystem, System
@@ -53,7 +53,7 @@ async def _one(system: System, sessions: dict[str, aiohttp.ClientSession], promp
                max_tokens: int, timeout_s: float) -> RequestResult:
     if isinstance(system, HttpSystem):
         return await one_request(sessions[system.name], system.url + "/v1/completions",
-                                 _body(prompt, max_tokens, system.extra_body), max_tokens)
+                                 request_body(prompt, max_tokens, system.extra_body), max_tokens)
     assert isinstance(system, InProcessSystem) and system.engine is not None
     run = system.engine.run([prompt], concurrency=1, max_tokens=max_tokens, repetition=0,
                             timeout_s=timeout_s)

@@ -11,7 +11,6 @@ cores (said in the output).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bench import cli
 from bench.faults import RouterUnderTest
 
 log = logging.getLogger("bench.routeronly")
@@ -76,14 +76,10 @@ def run_load(url: str, method: str, body: bytes | None, seconds: float, connecti
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench router", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser("router", __doc__)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--connections", type=int, default=32)
-    p.add_argument("--json", type=Path, default=None)
-    ns = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    ns = cli.parse(p, argv)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pinned = len(cpus) >= 2
     out: dict[str, Any] = {"pinning": f"router on cpu {cpus[0]}, load generator on cpu {cpus[1]}"

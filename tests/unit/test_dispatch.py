@@ -52,20 +52,14 @@ def test_idle_worker_that_becomes_busy_restarts_the_stall_clock(dispatcher: tupl
 def test_dispatch_to_an_idle_worker_restarts_the_stall_clock(dispatcher: tuple[Dispatcher, Clock]) -> None:
     d, clock = dispatcher
     clock.now = 100.0
-    d._handle(b"w7", _status(7))
-    job = Job(request_id="r1", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
-              deadline=1e9, enqueued_at=clock.now)
-    d.submit(job)
+    job = _submit_to_worker_7(d, enqueued_at=clock.now)
     assert job.state is JobState.RUNNING
     assert d.link is not None and d.link.step_changed_at == 100.0
 
 
 def test_frames_from_an_old_incarnation_are_dropped(dispatcher: tuple[Dispatcher, Clock]) -> None:
     d, clock = dispatcher
-    d._handle(b"w7", _status(7))
-    job = Job(request_id="r1", prompt_ids=[1, 2], sampling=Sampling(max_tokens=2), deadline=1e9,
-              enqueued_at=0.0)
-    d.submit(job)
+    job = _submit_to_worker_7(d)
     d._handle(b"w6", Tokens(incarnation=6, step=1, outputs=[["r1", [9], "length"]]))
     assert job.events.empty()
     d._handle(b"w7", Tokens(incarnation=7, step=1, outputs=[["r1", [9], "length"]]))
@@ -75,10 +69,7 @@ def test_frames_from_an_old_incarnation_are_dropped(dispatcher: tuple[Dispatcher
 
 def test_worker_lost_requeues_jobs_without_output_once(dispatcher: tuple[Dispatcher, Clock]) -> None:
     d, clock = dispatcher
-    d._handle(b"w7", _status(7))
-    job = Job(request_id="r1", prompt_ids=[1, 2], sampling=Sampling(max_tokens=2), deadline=1e9,
-              enqueued_at=0.0)
-    d.submit(job)
+    job = _submit_to_worker_7(d)
     assert d.worker_lost(7, "killed") is False
     assert job.state is JobState.QUEUED and len(d.backlog) == 1
 
@@ -87,6 +78,15 @@ def test_stall_timeout_follows_the_slowest_step() -> None:
     assert stall_timeout_s(None) == 10.0
     assert stall_timeout_s({"worst_step_s": 0.1}) == 10.0
     assert stall_timeout_s({"worst_step_s": 4.0}) == 20.0
+
+
+def _submit_to_worker_7(d: Dispatcher, enqueued_at: float = 0.0) -> Job:
+    """Worker 7 reports in, then job r1 (3 prompt tokens, 4 to generate) is submitted."""
+    d._handle(b"w7", _status(7))
+    job = Job(request_id="r1", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
+              deadline=1e9, enqueued_at=enqueued_at)
+    d.submit(job)
+    return job
 
 
 def _status(incarnation: int) -> object:
