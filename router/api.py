@@ -1,18 +1,26 @@
-"""OpenAI handlers: parse, validate, admit, enqueue, stream. Errors become HTTP here only.
+"""The request path every API shares: parse, validate, admit, enqueue, stream.
 
-Handlers raise ``HeadroomError``s; ``error_middleware`` is the one place that turns any
-error into the OpenAI error shape with the right status and ``Retry-After``.
+Each HTTP API is an `Endpoint`: its parser, which turns a body into the internal request
+(`Parsed`), and its presenter, which turns the output back into that API's shapes. The
+OpenAI endpoints are here; router/anthropic_api.py and router/responses_api.py add theirs,
+so queueing, admission, cancellation, keepalives and worker loss are one code path.
+
+Handlers raise ``HeadroomError``s; the middleware from ``make_error_middleware`` is the one
+place that turns any error into HTTP, with the right status and ``Retry-After``, in the
+error shape of the API whose path was called (OpenAI's unless another claims the prefix).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -25,7 +33,7 @@ from router import admission
 from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, TokenEvent
-from router.output import Collector, Formatter
+from router.output import ChatPresenter, Collector, Formatter, Presenter
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
@@ -45,39 +53,77 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except HeadroomError as exc:
-        return error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(PayloadTooLarge("the request body is too large"))
-    except web.HTTPException as exc:
-        if exc.status < 400:
+# An API's error body for an error (OpenAI's is HeadroomError.to_body).
+ErrorBody = Callable[[HeadroomError], dict[str, Any]]
+
+
+class HttpError(HeadroomError):
+    """aiohttp's own refusals (404, 405, ...), carried to the error shapes with their status."""
+
+    def __init__(self, exc: web.HTTPException) -> None:
+        super().__init__(exc.reason)
+        self.status = exc.status  # type: ignore[misc]  # per instance: any HTTP status
+        self.type = "invalid_request_error"  # type: ignore[misc]
+        self.code = str(exc.status)  # type: ignore[misc]
+
+
+def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Any:
+    """The middleware that answers every error; ``shapes`` maps a path prefix to its API's body."""
+
+    def body_for(path: str, exc: HeadroomError) -> dict[str, Any]:
+        for prefix, shape in shapes.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return shape(exc)
+        return exc.to_body()
+
+    @web.middleware
+    async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HeadroomError as exc:
+            error: HeadroomError = exc
+        except web.HTTPRequestEntityTooLarge:
+            error = PayloadTooLarge("the request body is too large")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error = HttpError(exc)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        body = {"error": {"message": exc.reason, "type": "invalid_request_error", "param": None,
-                          "code": str(exc.status)}}
-        return web.json_response(body, status=exc.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(HeadroomError("internal server error"))
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            error = HeadroomError("internal server error")
+        return web.json_response(body_for(request.path, error), status=error.status,
+                                 headers=error_headers(error))
+
+    return error_middleware
 
 
-def error_response(exc: HeadroomError) -> web.Response:
+def error_headers(exc: HeadroomError) -> dict[str, str]:
     headers: dict[str, str] = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
     if isinstance(exc, RequestQuarantined):
         headers["x-should-retry"] = "false"
-    return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+    return headers
 
 
-def sse(data: Any, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One HTTP API's two ends of the shared path."""
+
+    name: str                                        # metrics label and log name
+    id_prefix: str                                   # of the request id the client sees
+    parse: Callable[[Any, int], Parsed]              # (body, default max_tokens) -> Parsed
+    present: Callable[[Any, Parsed, Job, str], Presenter]  # (body, parsed, job, model id)
+
+
+def _openai_presenter(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
+    return ChatPresenter(Formatter(parsed, job.request_id, model_id))
+
+
+CHAT = Endpoint("chat", "chatcmpl-", parse_chat, _openai_presenter)
+COMPLETIONS = Endpoint("completions", "cmpl-", parse_completion, _openai_presenter)
 
 
 def _log_preload_failure(task: asyncio.Future[RouterTokenizer]) -> None:
@@ -106,10 +152,17 @@ class Api:
         self.num_in_flight = 0
 
     def check_auth(self, request: web.Request) -> None:
+        """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic's)."""
         if self.api_key is None:
             return
-        if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
+        expected = self.api_key.encode()
+        bearer = request.headers.get("Authorization", "")
+        offered = [request.headers.get("x-api-key", ""),
+                   bearer[7:] if bearer[:7].lower() == "bearer " else ""]
+        # compare_digest on each, never short-circuited: the time says nothing about the key
+        matches = [hmac.compare_digest(key.encode(), expected) for key in offered]
+        if not any(matches):
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer ... or x-api-key)")
 
     async def models(self, request: web.Request) -> web.Response:
         self.check_auth(request)
@@ -117,33 +170,43 @@ class Api:
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_completion, "completions")
+        return await self.serve(request, COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_chat, "chat")
+        return await self.serve(request, CHAT)
 
-    async def _serve(self, request: web.Request, parse: Callable[[Any, int], Parsed],
-                     endpoint: str) -> web.StreamResponse:
+    async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """The whole life of one generation request, for any API."""
         arrived = time.monotonic()
         status = 500
         try:
             self.check_auth(request)
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
-            parsed = parse(await self._json(request), self.default_max_tokens)
-            job = await self._admit(parsed, arrived)
-            response = await self._run(request, parsed, job)
+            body = await self._json(request)
+            parsed = endpoint.parse(body, self.default_max_tokens)
+            job = await self._admit(parsed, arrived, endpoint.id_prefix)
+            present = endpoint.present(body, parsed, job, self.model_id)
+            response = await self._run(request, parsed, job, present)
             status = response.status
             return response
         except HeadroomError as exc:
             status = exc.status
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
-            log.info("request refused on /v1/%s: %d %s: %s", endpoint, exc.status, exc.code,
+            log.info("request refused on /v1/%s: %d %s: %s", endpoint.name, exc.status, exc.code,
                      exc.message)
             raise
         finally:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            self.metrics.requests.labels(endpoint=endpoint.name, status=str(status)).inc()
+
+    async def count_prompt_tokens(self, request: web.Request,
+                                  parse: Callable[[Any, int], Parsed]) -> int:
+        """The prompt tokens ``serve`` would admit for this body, with the same tokenizer."""
+        self.check_auth(request)
+        parsed = parse(await self._json(request), self.default_max_tokens)
+        tokenizer, _ = await self._tokenizer_for(time.monotonic() + self.queue_timeout_s)
+        return len(await self._tokenize(tokenizer, parsed))
 
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -190,7 +253,7 @@ class Api:
             tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
         return tokenizer, link
 
-    async def _admit(self, parsed: Parsed, arrived: float) -> Job:
+    async def _admit(self, parsed: Parsed, arrived: float, id_prefix: str) -> Job:
         deadline = arrived + self.queue_timeout_s
         tokenizer, link = await self._tokenizer_for(deadline)
         # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
@@ -202,8 +265,7 @@ class Api:
                                          parsed.sampling.max_tokens)
         if error is not None:
             raise error
-        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        job = Job(request_id=prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
+        job = Job(request_id=id_prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
                   deadline=deadline, enqueued_at=time.monotonic())
         self.dispatcher.submit(job)
         self.metrics.prompt_tokens.inc(len(ids))
@@ -225,15 +287,15 @@ class Api:
             return await loop.run_in_executor(self.pool, tokenizer.encode_chat, parsed.messages)
         return await loop.run_in_executor(self.pool, tokenizer.encode, parsed.prompt_text)
 
-    async def _run(self, request: web.Request, parsed: Parsed, job: Job) -> web.StreamResponse:
+    async def _run(self, request: web.Request, parsed: Parsed, job: Job,
+                   present: Presenter) -> web.StreamResponse:
         assert self._tokenizer is not None
         collector = Collector(self._tokenizer.make_detokenizer(), parsed.stop, len(job.prompt_ids))
-        fmt = Formatter(parsed, job.request_id, self.model_id)
         self.num_in_flight += 1
         try:
             if parsed.stream:
-                return await self._stream(request, job, collector, fmt, parsed.include_usage)
-            return await self._collect(job, collector, fmt)
+                return await self._stream(request, job, collector, present)
+            return await self._collect(job, collector, present)
         finally:
             self.num_in_flight -= 1
             client_left = job.state is not JobState.DONE
@@ -256,16 +318,16 @@ class Api:
                  collector.completion_tokens, queued_s,
                  f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
 
-    async def _collect(self, job: Job, collector: Collector, fmt: Formatter) -> web.Response:
+    async def _collect(self, job: Job, collector: Collector, present: Presenter) -> web.Response:
         while not collector.finished:
             event = await job.events.get()
             if isinstance(event, HeadroomError):
                 raise event
             collector.feed(event)
-        return web.json_response(fmt.full(collector))
+        return web.json_response(present.body(collector))
 
-    async def _stream(self, request: web.Request, job: Job, collector: Collector, fmt: Formatter,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, collector: Collector,
+                      present: Presenter) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         while not collector.finished:
             try:
@@ -273,25 +335,22 @@ class Api:
                     event = await job.events.get()
             except TimeoutError:
                 response = response or await self._start_stream(request)
-                await response.write(b": keepalive\n\n")
+                await response.write(present.keepalive())
                 continue
             if isinstance(event, HeadroomError):
                 if response is None:
                     raise event  # nothing sent yet: a plain HTTP error is clearer
-                await response.write(sse(event.to_body(), event="error") + b"data: [DONE]\n\n")
+                await response.write(present.error(event))
                 return response
             response = response or await self._start_stream(request)
-            chunk = self._drain(job, collector, fmt, event)
-            if chunk is not None:
+            chunk = self._drain(job, collector, present, event)
+            if chunk:
                 await response.write(chunk)
         assert response is not None
-        tail = sse(fmt.final_chunk(collector))
-        if include_usage:
-            tail += sse(fmt.usage_chunk(collector))
-        await response.write(tail + b"data: [DONE]\n\n")
+        await response.write(present.tail(collector))
         return response
 
-    def _drain(self, job: Job, collector: Collector, fmt: Formatter, event: TokenEvent) -> bytes | None:
+    def _drain(self, job: Job, collector: Collector, present: Presenter, event: TokenEvent) -> bytes:
         """Feed this event and any already waiting, and return one SSE write for them."""
         collector.feed(event)
         while not collector.finished and not job.events.empty():
@@ -300,10 +359,7 @@ class Api:
                 job.events.put_nowait(more)  # keep it for the loop: flush the text first
                 break
             collector.feed(more)
-        delta = collector.take_delta()
-        if not delta and not fmt.needs_first_chunk():
-            return None
-        return sse(fmt.chunk(delta))
+        return present.delta(collector)
 
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)

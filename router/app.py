@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from common.config import RouterConfig
-from router.api import Api, error_middleware
+from router import anthropic_api
+from router.anthropic_api import Messages
+from router.api import Api, make_error_middleware
 from router.backlog import Backlog
 from router.dispatch import Dispatcher
 from router.status import Metrics, StatusViews
@@ -49,7 +51,9 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    # Each API answers errors in its own shape; OpenAI's is the default.
+    errors = make_error_middleware({"/v1/messages": anthropic_api.error_body})
+    app = web.Application(middlewares=[errors], client_max_size=cfg.max_body_bytes)
     state = RouterState()
     metrics = Metrics()
     dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics)
@@ -71,6 +75,9 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
 
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
+    messages = Messages(api)
+    app.router.add_post("/v1/messages", messages.create)
+    app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", views.health)
     app.router.add_get("/v1/memory", views.memory)

@@ -1,10 +1,16 @@
-"""From token events to OpenAI responses: detokenize, apply stop strings, count, format."""
+"""From token events to responses: detokenize, apply stop strings, count, format.
+
+`Collector` is shared by every API; a `Presenter` is one API's view of it (the OpenAI one,
+`ChatPresenter`, is here; router/anthropic_api.py and router/responses_api.py hold theirs).
+"""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from common.errors import HeadroomError
 from router.job import TokenEvent
 from router.schema import Parsed
 from router.stops import StopMatcher
@@ -45,6 +51,11 @@ class Collector:
         elif event.finish_reason is not None:
             self.finished = True
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self.stops.matched if self.stops is not None else None
 
     def take_delta(self) -> str:
         delta = "".join(self._delta)
@@ -115,3 +126,65 @@ class Formatter:
         body = self._envelope([choice], chunk=False)
         body["usage"] = c.usage()
         return body
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class Presenter(Protocol):
+    """One API's shapes for a request's output; router/api.py's loop calls these.
+
+    Stream methods return the bytes to write, b"" for nothing. A presenter keeps what it has
+    sent, so it opens its stream (headers of the message, the first block) when it first
+    has something to say, and closes what it opened.
+    """
+
+    def body(self, c: Collector) -> dict[str, Any]:
+        """The whole response of a request that does not stream."""
+        ...
+
+    def delta(self, c: Collector) -> bytes:
+        """What the collector has gathered since the last call."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """Something to send while nothing happens, so a vanished client is noticed."""
+        ...
+
+    def tail(self, c: Collector) -> bytes:
+        """The end of a stream that finished."""
+        ...
+
+    def error(self, exc: HeadroomError) -> bytes:
+        """The end of a stream that failed after it had started."""
+        ...
+
+
+class ChatPresenter:
+    """The OpenAI shapes (chat and text completions) as a `Presenter`."""
+
+    def __init__(self, fmt: Formatter) -> None:
+        self.fmt = fmt
+
+    def body(self, c: Collector) -> dict[str, Any]:
+        return self.fmt.full(c)
+
+    def delta(self, c: Collector) -> bytes:
+        text = c.take_delta()
+        if not text and not self.fmt.needs_first_chunk():
+            return b""
+        return sse(self.fmt.chunk(text))
+
+    def keepalive(self) -> bytes:
+        return b": keepalive\n\n"
+
+    def tail(self, c: Collector) -> bytes:
+        tail = sse(self.fmt.final_chunk(c))
+        if self.fmt.include_usage:
+            tail += sse(self.fmt.usage_chunk(c))
+        return tail + b"data: [DONE]\n\n"
+
+    def error(self, exc: HeadroomError) -> bytes:
+        return sse(exc.to_body(), event="error") + b"data: [DONE]\n\n"

@@ -28,7 +28,7 @@ MAX_STOPS = 4  # OpenAI's limit
 class StopMatcher:
     """Cuts a streamed text before the first occurrence of any stop string."""
 
-    __slots__ = ("_stops", "_longest", "_first_chars", "_held", "_is_stopped")
+    __slots__ = ("_stops", "_longest", "_first_chars", "_held", "_is_stopped", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS:
@@ -40,6 +40,7 @@ class StopMatcher:
         self._first_chars = frozenset(s[0] for s in self._stops)
         self._held = ""
         self._is_stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic reports it)
 
     @property
     def is_stopped(self) -> bool:
@@ -56,7 +57,7 @@ class StopMatcher:
         first = self._first_match(text)
         pending = self._first_partial(text, end=len(text) if first is None else first)
         if first is not None and pending is None:
-            self._is_stopped = True
+            self._stop_at(text, first)
             self._held = ""
             return text[:first], True
         cut = len(text) if pending is None else pending
@@ -71,8 +72,12 @@ class StopMatcher:
         first = self._first_match(text)
         if first is None:
             return text
-        self._is_stopped = True
+        self._stop_at(text, first)
         return text[:first]
+
+    def _stop_at(self, text: str, first: int) -> None:
+        self._is_stopped = True
+        self.matched = min((s for s in self._stops if text.startswith(s, first)), key=len)
 
     def _first_match(self, text: str) -> int | None:
         """Start of the earliest complete stop string in text."""

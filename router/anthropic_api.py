@@ -1,0 +1,310 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) on the shared path.
+
+A Messages body is translated into the chat-completions body that means the same
+(`to_chat`: plain dicts, pure) and parsed by router/schema.py, so the request is the same
+internal request as a chat completion's; `MessagesPresenter` turns the output back into
+Anthropic's message and its SSE event sequence, and `error_body` is the one place the
+error tree takes Anthropic's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from common.errors import BadRequest, HeadroomError, QueueFull, Unavailable
+from router.api import Api, Endpoint
+from router.job import Job
+from router.output import Collector, Presenter, sse
+from router.schema import Parsed, parse_chat
+
+log = logging.getLogger(__name__)
+
+MESSAGE_ROLES = frozenset({"user", "assistant"})
+THINKING_TYPES = frozenset({"enabled", "disabled", "adaptive", "between_tools"})
+# Replayed reasoning: the chat template re-renders none of it, so it is dropped.
+DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+PING = sse({"type": "ping"}, event="ping")
+# Anthropic's error types by HTTP status; a 503 or a full queue means "overloaded, retry".
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large"}
+
+
+def error_body(exc: HeadroomError) -> dict[str, Any]:
+    """Anthropic's error shape for any error of the tree (also an SSE ``error`` event's data)."""
+    if isinstance(exc, (Unavailable, QueueFull)):
+        kind = "overloaded_error"
+    elif exc.status >= 500:
+        kind = "api_error"
+    else:
+        kind = ERROR_TYPES.get(exc.status, "invalid_request_error")
+    message = exc.message
+    if exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields
+        message += " (" + ", ".join(f"{k} {v}" for k, v in exc.extra.items()) + ")"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# -- request: Messages body -> chat-completions body -------------------------------------
+
+
+def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
+    """The chat-completions body that asks for what this Messages body asks for."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if body.get("max_tokens") is None and require_max_tokens:
+        raise BadRequest("max_tokens: field required", param="max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    chat_messages = _system(body.get("system"))
+    for i, m in enumerate(messages):
+        chat_messages += _message(m, i)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages,
+                            "stream": body.get("stream")}
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise BadRequest("stop_sequences must be a list of non-empty strings",
+                             param="stop_sequences")
+        if stops:
+            chat["stop"] = stops
+    _check_accepted(body)
+    chat.update(tools_to_chat(body.get("tools"), body.get("tool_choice")))
+    return {k: v for k, v in chat.items() if v is not None}
+
+
+def _check_accepted(body: dict[str, Any]) -> None:
+    """Fields accepted for what they are and otherwise ignored: metadata, thinking."""
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise BadRequest("metadata must be an object", param="metadata")
+    thinking = body.get("thinking")
+    if thinking is not None and not (isinstance(thinking, dict)
+                                     and thinking.get("type") in THINKING_TYPES):
+        raise BadRequest(f"thinking.type must be one of {sorted(THINKING_TYPES)}",
+                         param="thinking")
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None or system == "" or system == []:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if isinstance(system, list):
+        return [{"role": "system", "content": [_text_part(b, f"system[{j}]")
+                                                for j, b in enumerate(system)]}]
+    raise BadRequest("system must be a string or a list of text blocks", param="system")
+
+
+def _text_part(block: Any, param: str) -> dict[str, str]:
+    """A text block (cache_control and citations dropped) as a chat text part."""
+    if not (isinstance(block, dict) and block.get("type") == "text"
+            and isinstance(block.get("text"), str)):
+        raise BadRequest(f"{param} must be a text block", param=param)
+    return {"type": "text", "text": block["text"]}
+
+
+def _message(m: Any, i: int) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages: tool results become ``tool`` messages first."""
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+        raise BadRequest(f"{param}.role must be 'user' or 'assistant'", param=f"{param}.role")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"{param}.content must be a string or a list of blocks",
+                         param=f"{param}.content")
+    parts: list[dict[str, str]] = []
+    tool_calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append(_text_part(block, where))
+        elif kind == "tool_use" and role == "assistant":
+            tool_calls.append(_tool_call(block, where))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, where))
+        elif kind not in DROPPED_BLOCKS:
+            raise BadRequest(f"{where}: {kind!r} blocks are not supported here", param=where)
+    out: list[dict[str, Any]] = results
+    if tool_calls:
+        out.append({"role": "assistant", "content": parts or None, "tool_calls": tool_calls})
+    elif parts or not results:
+        out.append({"role": role, "content": parts})
+    return out
+
+
+def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise BadRequest(f"{param}: a tool_use block needs an id and a name", param=param)
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}}
+
+
+def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise BadRequest(f"{param}: a tool_result block needs a tool_use_id", param=param)
+    content = block.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "".join(_text_part(b, f"{param}.content[{k}]")["text"] for k, b in enumerate(content))
+    else:
+        raise BadRequest(f"{param}.content must be a string or a list of text blocks", param=param)
+    if block.get("is_error"):
+        text = "Error: " + text
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+
+
+def tools_to_chat(tools: Any, tool_choice: Any) -> dict[str, Any]:
+    """Anthropic ``tools`` and ``tool_choice`` as the chat-completions fields."""
+    out: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise BadRequest("tools must be a list", param="tools")
+        out["tools"] = [_tool(t, i) for i, t in enumerate(tools)] or None
+    if tool_choice is not None:
+        out["tool_choice"] = _tool_choice(tool_choice)
+        if isinstance(tool_choice, dict) and tool_choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    param = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise BadRequest(f"{param}: only client tools (name, input_schema) are supported, "
+                         f"not {kind!r}", param=f"{param}.type")
+    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise BadRequest(f"{param} needs a name and an input_schema object", param=param)
+    function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> Any:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise BadRequest("tool_choice must be {type: auto | any | none} or {type: tool, name}",
+                     param="tool_choice")
+
+
+def parse_messages(body: Any, default_max_tokens: int) -> Parsed:
+    return parse_chat(to_chat(body), default_max_tokens)
+
+
+def parse_count(body: Any, default_max_tokens: int) -> Parsed:
+    """count_tokens takes a Messages body without max_tokens."""
+    return parse_chat(to_chat(body, require_max_tokens=False), default_max_tokens)
+
+
+# -- response: output -> Anthropic message and SSE events --------------------------------
+
+
+def stop_reason(c: Collector) -> str:
+    if c.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if c.stop_sequence is not None else "end_turn"
+
+
+class MessagesPresenter:
+    """Anthropic's message, and its SSE sequence: message_start, content blocks, message_stop."""
+
+    def __init__(self, request_id: str, model_id: str, input_tokens: int) -> None:
+        self.request_id = request_id
+        self.model_id = model_id
+        self.input_tokens = input_tokens
+        self._started = False
+        self._num_blocks = 0
+        self._open_block: str | None = None
+
+    def _message(self, content: list[dict[str, Any]], reason: str | None,
+                 stop_sequence: str | None, output_tokens: int) -> dict[str, Any]:
+        return {"id": self.request_id, "type": "message", "role": "assistant",
+                "model": self.model_id, "content": content, "stop_reason": reason,
+                "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
+                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+
+    def body(self, c: Collector) -> dict[str, Any]:
+        return self._message([{"type": "text", "text": c.text}], stop_reason(c),
+                             c.stop_sequence, c.completion_tokens)
+
+    def _start(self) -> bytes:
+        if self._started:
+            return b""
+        self._started = True
+        return sse({"type": "message_start", "message": self._message([], None, None, 0)},
+                   event="message_start") + PING
+
+    def _text_block(self) -> bytes:
+        if self._open_block == "text":
+            return b""
+        self._open_block = "text"
+        self._num_blocks += 1
+        return sse({"type": "content_block_start", "index": self._num_blocks - 1,
+                    "content_block": {"type": "text", "text": ""}}, event="content_block_start")
+
+    def delta(self, c: Collector) -> bytes:
+        text = c.take_delta()
+        out = self._start()
+        if text:
+            out += self._text_block() + sse(
+                {"type": "content_block_delta", "index": self._num_blocks - 1,
+                 "delta": {"type": "text_delta", "text": text}}, event="content_block_delta")
+        return out
+
+    def keepalive(self) -> bytes:
+        return self._start() or PING
+
+    def tail(self, c: Collector) -> bytes:
+        out = self.delta(c)
+        if self._num_blocks == 0:  # as in the whole message: always at least one text block
+            out += self._text_block()
+        out += sse({"type": "content_block_stop", "index": self._num_blocks - 1},
+                   event="content_block_stop")
+        usage = {"input_tokens": self.input_tokens, "output_tokens": c.completion_tokens}
+        out += sse({"type": "message_delta", "usage": usage,
+                    "delta": {"stop_reason": stop_reason(c), "stop_sequence": c.stop_sequence}},
+                   event="message_delta")
+        return out + sse({"type": "message_stop"}, event="message_stop")
+
+    def error(self, exc: HeadroomError) -> bytes:
+        return sse(error_body(exc), event="error")
+
+
+def _present(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
+    return MessagesPresenter(job.request_id, model_id, len(job.prompt_ids))
+
+
+MESSAGES = Endpoint("messages", "msg_", parse_messages, _present)
+
+
+class Messages:
+    """The two routes, served by the shared `Api`."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        return await self.api.serve(request, MESSAGES)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        return web.json_response({"input_tokens": await self.api.count_prompt_tokens(request, parse_count)})
