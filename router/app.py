@@ -13,6 +13,7 @@ from common.config import RouterConfig
 from router import anthropic_api
 from router.anthropic_api import Messages
 from router.api import Api, make_error_middleware
+from router.responses_api import Responses
 from router.backlog import Backlog
 from router.dispatch import Dispatcher
 from router.status import Metrics, StatusViews
@@ -78,6 +79,7 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     messages = Messages(api)
     app.router.add_post("/v1/messages", messages.create)
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
+    app.router.add_post("/v1/responses", Responses(api).create)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", views.health)
     app.router.add_get("/v1/memory", views.memory)
