@@ -76,6 +76,7 @@ def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
             chat["stop"] = stops
     _check_accepted(body)
     chat.update(tools_to_chat(body.get("tools"), body.get("tool_choice")))
+    chat["response_format"] = _output_format(body.get("output_config"))
     return {k: v for k, v in chat.items() if v is not None}
 
 
@@ -88,6 +89,20 @@ def _check_accepted(body: dict[str, Any]) -> None:
                                      and thinking.get("type") in THINKING_TYPES):
         raise BadRequest(f"thinking.type must be one of {sorted(THINKING_TYPES)}",
                          param="thinking")
+
+
+def _output_format(config: Any) -> dict[str, Any] | None:
+    """``output_config.format`` (structured output) as chat's ``response_format``; effort ignored."""
+    if config is None:
+        return None
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            and isinstance(fmt.get("schema"), dict)):
+        raise BadRequest("output_config.format must be {type: json_schema, schema}",
+                         param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _system(system: Any) -> list[dict[str, Any]]:

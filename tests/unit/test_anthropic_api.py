@@ -1,0 +1,219 @@
+"""Tests for router/anthropic_api.py: the Messages body as a chat body, and the output as
+Anthropic's message and event sequence. Pure: plain dicts in and out, no processes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from common.errors import (
+    BadRequest, HeadroomError, InsufficientMemory, NoWorker, QueueFull, Unauthorized, WorkerLost,
+)
+from router.anthropic_api import MessagesPresenter, error_body, parse_messages, to_chat
+from router.job import TokenEvent
+from router.output import Collector
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "claude-sonnet-4-5", "max_tokens": 16, "messages": USER, **fields}
+
+
+def refused(b: Any) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        to_chat(b)
+    return info.value
+
+
+# -- request ---------------------------------------------------------------------------
+
+
+def test_text_request_becomes_the_same_chat_request() -> None:
+    chat = to_chat(body(system="Be brief.", temperature=0.2, top_p=0.9, top_k=40, stream=True,
+                        stop_sequences=["\n\n"], metadata={"user_id": "u"},
+                        thinking={"type": "disabled"}))
+    assert chat == {"model": "claude-sonnet-4-5", "max_tokens": 16, "stream": True,
+                    "temperature": 0.2, "top_p": 0.9, "top_k": 40, "stop": ["\n\n"],
+                    "messages": [{"role": "system", "content": "Be brief."}, *USER]}
+
+
+def test_system_blocks_and_cache_control_are_text_parts() -> None:
+    system = [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "B"}]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "q", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]
+    chat = to_chat(body(system=system, messages=messages))
+    assert chat["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+        {"role": "user", "content": [{"type": "text", "text": "q"}]}]
+    parsed = parse_messages(body(system=system, messages=messages), 512)
+    assert parsed.messages == [{"role": "system", "content": "AB"}, {"role": "user", "content": "q"}]
+    assert parsed.kind == "chat" and parsed.sampling.max_tokens == 16
+
+
+def test_tool_use_and_tool_result_become_tool_calls_and_tool_messages() -> None:
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "...", "signature": "s"},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "-3C"}]},
+            {"type": "text", "text": "and tomorrow?"}]},
+    ]
+    chat = to_chat(body(messages=messages))
+    assert chat["messages"] == [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "-3C"},
+        {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]},
+    ]
+
+
+def test_error_tool_result_and_result_only_turn() -> None:
+    messages = [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}]}]
+    assert to_chat(body(messages=messages))["messages"] == [
+        {"role": "tool", "tool_call_id": "t", "content": "Error: boom"}]
+
+
+@pytest.mark.parametrize(("choice", "chat_choice"), [
+    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+    ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+])
+def test_tools_and_tool_choice(choice: dict[str, Any], chat_choice: Any) -> None:
+    tools = [{"name": "f", "description": "d", "input_schema": {"type": "object"},
+              "cache_control": {"type": "ephemeral"}}]
+    chat = to_chat(body(tools=tools, tool_choice=choice))
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == chat_choice
+
+
+def test_disable_parallel_tool_use() -> None:
+    chat = to_chat(body(tool_choice={"type": "auto", "disable_parallel_tool_use": True}))
+    assert chat["parallel_tool_calls"] is False
+
+
+def test_output_config_json_schema_is_a_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = to_chat(body(output_config={"format": {"type": "json_schema", "schema": schema},
+                                       "effort": "low"}))
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": schema}}
+
+
+@pytest.mark.parametrize(("b", "param"), [
+    ({"messages": USER}, "max_tokens"),
+    (body(messages=[]), "messages"),
+    (body(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages[0].content[0]"),
+    (body(system=[{"type": "image"}]), "system[0]"),
+    (body(stop_sequences="x"), "stop_sequences"),
+    (body(thinking={"type": "sometimes"}), "thinking"),
+    (body(metadata="x"), "metadata"),
+    (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
+    (body(tools=[{"name": "f"}]), "tools[0]"),
+    (body(tool_choice={"type": "tool"}), "tool_choice"),
+    (body(output_config={"format": {"type": "xml"}}), "output_config.format"),
+])
+def test_bad_input_names_the_anthropic_parameter(b: dict[str, Any], param: str) -> None:
+    assert refused(b).param == param
+
+
+def test_count_tokens_needs_no_max_tokens() -> None:
+    assert "max_tokens" not in to_chat({"messages": USER}, require_max_tokens=False)
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    (BadRequest("x"), "invalid_request_error"), (Unauthorized("x"), "authentication_error"),
+    (QueueFull("x"), "overloaded_error"), (NoWorker("x"), "overloaded_error"),
+    (WorkerLost("x"), "overloaded_error"), (HeadroomError("x"), "api_error"),
+])
+def test_error_types(error: HeadroomError, kind: str) -> None:
+    assert error_body(error) == {"type": "error", "error": {"type": kind, "message": "x"}}
+
+
+def test_never_fits_carries_the_needed_bytes_in_the_message() -> None:
+    error = InsufficientMemory("too big", param="max_tokens", needed_bytes=123, max_request_tokens=9)
+    assert error_body(error)["error"]["message"] == "too big (needed_bytes 123, max_request_tokens 9)"
+
+
+# -- response --------------------------------------------------------------------------
+
+
+class CharDetokenizer:
+    """Token id n is the character chr(n)."""
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+    def flush(self) -> str:
+        return ""
+
+
+def collector(stops: list[str] | None = None) -> Collector:
+    return Collector(CharDetokenizer(), stops or [], prompt_tokens=7)  # type: ignore[arg-type]
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            payload = json.loads(data.removeprefix("data: "))
+            assert name == "event: " + payload["type"]
+            out.append(payload)
+    return out
+
+
+def test_stream_sequence_and_whole_message_agree() -> None:
+    c, p = collector(), MessagesPresenter("msg_1", "demo", 7)
+    raw = p.keepalive() + p.keepalive()
+    for ids, reason in (([72, 105], None), ([33], "length")):
+        c.feed(TokenEvent(ids, reason))
+        raw += p.delta(c)
+    raw += p.tail(c)
+    seq = events(raw)
+    assert [e["type"] for e in seq] == [
+        "message_start", "ping", "ping", "content_block_start", "content_block_delta",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert seq[0]["message"]["usage"]["input_tokens"] == 7
+    assert "".join(e["delta"]["text"] for e in seq if e["type"] == "content_block_delta") == "Hi!"
+    assert seq[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert seq[-2]["usage"]["output_tokens"] == 3
+    whole = p.body(c)
+    assert whole["content"] == [{"type": "text", "text": "Hi!"}]
+    assert whole["stop_reason"] == "max_tokens" and whole["usage"]["output_tokens"] == 3
+
+
+@pytest.mark.parametrize(("stops", "reason", "sequence"), [
+    (["!"], "stop_sequence", "!"), ([], "end_turn", None)])
+def test_stop_reasons(stops: list[str], reason: str, sequence: str | None) -> None:
+    c = collector(stops)
+    c.feed(TokenEvent([72, 105, 33, 63], "stop"))
+    whole = MessagesPresenter("msg_1", "demo", 7).body(c)
+    assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, sequence)
+
+
+def test_empty_output_still_has_one_text_block() -> None:
+    c, p = collector(), MessagesPresenter("msg_1", "demo", 7)
+    c.feed(TokenEvent([], "stop"))
+    seq = events(p.delta(c) + p.tail(c))
+    assert [e["type"] for e in seq] == ["message_start", "ping", "content_block_start",
+                                        "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_stream_error_is_an_anthropic_error_event() -> None:
+    seq = events(MessagesPresenter("msg_1", "demo", 7).error(WorkerLost("gone")))
+    assert seq == [{"type": "error", "error": {"type": "overloaded_error", "message": "gone"}}]

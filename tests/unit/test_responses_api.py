@@ -1,0 +1,164 @@
+"""Tests for router/responses_api.py: the Responses body as a chat body, and the output as a
+Response object and its event stream. Pure: plain dicts in and out, no processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.errors import BadRequest, WorkerLost
+from router.job import TokenEvent
+from router.responses_api import ResponsesPresenter, parse_responses, to_chat
+from tests.unit.test_anthropic_api import collector, events
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "gpt-5", "input": "hi", **fields}
+
+
+def refused(b: Any) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        to_chat(b)
+    return info.value
+
+
+# -- request ---------------------------------------------------------------------------
+
+
+def test_string_input_with_instructions() -> None:
+    chat = to_chat(body(instructions="Be brief.", max_output_tokens=9, temperature=0.5,
+                        top_p=0.8, stream=True, store=False, reasoning={"effort": "low"},
+                        include=["reasoning.encrypted_content"], prompt_cache_key="k",
+                        text={"verbosity": "low"}))
+    assert chat == {"model": "gpt-5", "stream": True, "max_tokens": 9, "temperature": 0.5,
+                    "top_p": 0.8, "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "hi"}]}
+
+
+def test_items_with_function_calls_and_outputs() -> None:
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+        {"role": "user", "content": "list files"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "..."},
+        {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd":"ls"}'},
+        {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": '{"cmd":"pwd"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "/"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+    ]
+    call = lambda i, cmd: {"id": f"c{i}", "type": "function",  # noqa: E731
+                           "function": {"name": "shell", "arguments": f'{{"cmd":"{cmd}"}}'}}
+    assert to_chat(body(input=items))["messages"] == [
+        {"role": "developer", "content": [{"type": "text", "text": "rules"}]},
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": None, "tool_calls": [call(1, "ls"), call(2, "pwd")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "c2", "content": "/"},
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+    ]
+    parsed = parse_responses(body(input=items[:2]), 512)
+    assert parsed.messages == [{"role": "system", "content": "rules"},
+                               {"role": "user", "content": "list files"}]
+
+
+def test_function_call_after_assistant_text_joins_its_turn() -> None:
+    items = [{"role": "assistant", "content": "Let me look."},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    [turn] = to_chat(body(input=items))["messages"]
+    assert turn["content"] == "Let me look." and turn["tool_calls"][0]["id"] == "c"
+
+
+@pytest.mark.parametrize(("choice", "chat_choice"), [
+    ("auto", "auto"), ("none", "none"), ("required", "required"),
+    ({"type": "function", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+])
+def test_function_tools_and_tool_choice(choice: Any, chat_choice: Any) -> None:
+    tools = [{"type": "function", "name": "f", "description": "d", "strict": True,
+              "parameters": {"type": "object"}}]
+    chat = to_chat(body(tools=tools, tool_choice=choice, parallel_tool_calls=False))
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}}]
+    assert chat["tool_choice"] == chat_choice and chat["parallel_tool_calls"] is False
+
+
+def test_text_format_json_schema_is_a_response_format() -> None:
+    fmt = {"type": "json_schema", "name": "answer", "strict": True, "schema": {"type": "object"}}
+    assert to_chat(body(text={"format": fmt}))["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"},
+                                               "strict": True}}
+    assert to_chat(body(text={"format": {"type": "json_object"}}))["response_format"] == {
+        "type": "json_object"}
+    assert "response_format" not in to_chat(body(text={"format": {"type": "text"}}))
+
+
+@pytest.mark.parametrize(("b", "param"), [
+    (body(previous_response_id="resp_1"), "previous_response_id"),
+    (body(store=True), "store"),
+    (body(conversation="conv_1"), "conversation"),
+    (body(background=True), "background"),
+    (body(input=[]), "input"),
+    (body(input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
+    (body(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+     "input[0].content[0]"),
+    (body(input=[{"role": "tool", "content": "x"}]), "input[0].role"),
+    (body(input=[{"type": "function_call", "call_id": "c"}]), "input[0]"),
+    (body(tools=[{"type": "web_search"}]), "tools[0].type"),
+    (body(tools=[{"type": "custom", "name": "apply_patch"}]), "tools[0].type"),
+    (body(tool_choice={"type": "web_search"}), "tool_choice"),
+    (body(text={"format": {"type": "json_schema"}}), "text.format"),
+    (body(instructions=["x"]), "instructions"),
+])
+def test_bad_input_names_the_responses_parameter(b: dict[str, Any], param: str) -> None:
+    assert refused(b).param == param
+
+
+def test_store_false_is_accepted() -> None:
+    assert to_chat(body(store=False))["messages"] == [{"role": "user", "content": "hi"}]
+
+
+# -- response --------------------------------------------------------------------------
+
+
+def presenter(**fields: Any) -> ResponsesPresenter:
+    b = body(**fields)
+    return ResponsesPresenter(b, parse_responses(b, 512), "resp_abc", "demo")
+
+
+def test_stream_sequence_and_whole_response_agree() -> None:
+    c, p = collector(), presenter(max_output_tokens=3)
+    raw = p.keepalive() + p.keepalive()
+    assert raw.endswith(b": keepalive\n\n")
+    raw = raw.removesuffix(b": keepalive\n\n")
+    for ids, reason in (([72, 105], None), ([33], "stop")):
+        c.feed(TokenEvent(ids, reason))
+        raw += p.delta(c)
+    seq = events(raw + p.tail(c))
+    assert [e["type"] for e in seq] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for e in seq] == list(range(len(seq)))
+    assert seq[0]["response"]["status"] == "in_progress"
+    assert "".join(e["delta"] for e in seq if e["type"] == "response.output_text.delta") == "Hi!"
+    final = seq[-1]["response"]
+    assert final == p.body(c) and final["status"] == "completed"
+    assert final["output"][0]["content"][0]["text"] == "Hi!" and final["store"] is False
+    assert final["usage"]["input_tokens"] == 7 and final["usage"]["output_tokens"] == 3
+
+
+def test_max_output_tokens_is_incomplete() -> None:
+    c, p = collector(), presenter()
+    c.feed(TokenEvent([72], "length"))
+    seq = events(p.delta(c) + p.tail(c))
+    assert seq[-1]["type"] == "response.incomplete"
+    assert seq[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_stream_error_ends_with_response_failed() -> None:
+    seq = events(presenter().error(WorkerLost("gone")))
+    assert [e["type"] for e in seq] == ["response.created", "response.in_progress", "error",
+                                        "response.failed"]
+    assert seq[2]["code"] == "worker_lost" and seq[2]["message"] == "gone"
+    assert seq[3]["response"]["error"] == {"code": "worker_lost", "message": "gone"}
