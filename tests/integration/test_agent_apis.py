@@ -1,0 +1,208 @@
+"""/v1/messages and /v1/responses on real processes, through the official anthropic and
+openai clients: the same request as a chat completion, each API's own shapes and errors.
+
+At temperature 0 the demo model's output is a function of the prompt ids, so "the same
+internal request" is checked by the text: each API must produce the chat completion's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.conftest import wait_until
+from tests.integration.conftest import Router, start_router
+from tests.integration.test_stream_cancel import metric, running
+
+KEY = "sk-test-key"
+GREEDY = {"temperature": 0}
+SYSTEM_BLOCKS = [{"type": "text", "text": "You are a terse assistant.",
+                  "cache_control": {"type": "ephemeral"}},
+                 {"type": "text", "text": " Answer in one line."}]
+QUESTION = "Name three colours."
+CHAT_MESSAGES = [{"role": "system", "content": "You are a terse assistant. Answer in one line."},
+                 {"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[Router]:
+    r = start_router(tmp_path_factory.mktemp("agent-apis"), cache_home, "--api-key", KEY)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def claude(router: Router) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def oai(router: Router) -> openai.OpenAI:
+    return router.client(api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def chat_answer(oai: openai.OpenAI) -> Any:
+    """The chat completion every other API's answer is held against."""
+    return oai.chat.completions.create(model="x", messages=CHAT_MESSAGES,  # type: ignore[arg-type]
+                                       max_tokens=12, temperature=0)
+
+
+def sse_events(lines: Iterator[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of a whole SSE stream."""
+    out, name = [], ""
+    for line in lines:
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            out.append((name, json.loads(line.removeprefix("data: "))))
+    return out
+
+
+def post(router: Router, path: str, body: Any, **headers: str) -> httpx.Response:
+    return router.http.post(path, json=body, headers={"x-api-key": KEY, **headers})
+
+
+# -- /v1/messages ----------------------------------------------------------------------
+
+
+def test_messages_is_the_chat_request(claude: anthropic.Anthropic, chat_answer: Any) -> None:
+    message = claude.messages.create(
+        model="claude-sonnet-4-5", max_tokens=12, system=SYSTEM_BLOCKS,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": QUESTION}], metadata={"user_id": "u1"},
+        thinking={"type": "disabled"}, extra_body={**GREEDY, "top_p": 1, "top_k": 0})
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat_answer.choices[0].message.content  # type: ignore[union-attr]
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
+        chat_answer.choices[0].finish_reason]
+    assert message.usage.input_tokens == chat_answer.usage.prompt_tokens
+    assert message.usage.output_tokens == chat_answer.usage.completion_tokens
+    counted = claude.messages.count_tokens(model="claude-sonnet-4-5", system=SYSTEM_BLOCKS,  # type: ignore[arg-type]
+                                           messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_messages_stream(router: Router, claude: anthropic.Anthropic, chat_answer: Any) -> None:
+    body = {"model": "claude-haiku-4-5", "max_tokens": 12, "system": SYSTEM_BLOCKS, "stream": True,
+            "messages": [{"role": "user", "content": QUESTION}], **GREEDY}
+    with router.http.stream("POST", "/v1/messages", json=body, headers={"x-api-key": KEY}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"] == "text/event-stream"
+        events = sse_events(resp.iter_lines())
+    names = [name for name, _ in events]
+    assert all(name == data["type"] for name, data in events)
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    text = "".join(data["delta"]["text"] for name, data in events if name == "content_block_delta")
+    assert text == chat_answer.choices[0].message.content
+    assert events[-2][1]["usage"]["output_tokens"] == chat_answer.usage.completion_tokens
+    with claude.messages.stream(model="claude-haiku-4-5", max_tokens=12, system=SYSTEM_BLOCKS,  # type: ignore[arg-type]
+                                messages=[{"role": "user", "content": QUESTION}],
+                                extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == text
+        assert stream.get_final_message().content[0].text == text  # type: ignore[union-attr]
+
+
+def test_stop_sequences(claude: anthropic.Anthropic, chat_answer: Any) -> None:
+    full = chat_answer.choices[0].message.content
+    stop = full[3:5]
+    message = claude.messages.create(model="m", max_tokens=12, system=SYSTEM_BLOCKS,  # type: ignore[arg-type]
+                                     messages=[{"role": "user", "content": QUESTION}],
+                                     stop_sequences=[stop], extra_body=GREEDY)
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == full[:full.index(stop)]  # type: ignore[union-attr]
+
+
+def test_max_tokens_missing_is_an_anthropic_400(router: Router) -> None:
+    resp = post(router, "/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 400
+    assert resp.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                      "message": "max_tokens: field required"}}
+
+
+def test_never_fits_is_an_anthropic_400_with_the_numbers(router: Router) -> None:
+    body = {"model": "m", "max_tokens": 100_000, "messages": [{"role": "user", "content": "hi"}]}
+    error = post(router, "/v1/messages", body).json()["error"]
+    assert error["type"] == "invalid_request_error" and "100000" in error["message"]
+
+
+def test_x_api_key_and_bearer_auth(router: Router, claude: anthropic.Anthropic) -> None:
+    hello = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    bearer = anthropic.Anthropic(base_url=router.url, auth_token=KEY, max_retries=0)
+    assert bearer.messages.create(**hello).usage.output_tokens >= 1  # type: ignore[arg-type]
+    assert claude.messages.create(**hello).usage.output_tokens >= 1  # type: ignore[arg-type]
+    wrong = anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        wrong.messages.create(**hello)  # type: ignore[arg-type]
+    assert info.value.status_code == 401
+    assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    resp = router.http.post("/v1/messages/count_tokens", json=hello)
+    assert resp.status_code == 401 and resp.json()["type"] == "error"
+
+
+def test_disconnected_messages_stream_frees_its_row(router: Router) -> None:
+    before = metric(router, "headroom_cancelled_requests_total", 'where="running"')
+    body = {"model": "m", "max_tokens": 3000, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me everything."}]}
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        with client.stream("POST", "/v1/messages", json=body, headers={"x-api-key": KEY}) as resp:
+            lines = resp.iter_lines()
+            deltas = [line for line, _ in zip(lines, range(60)) if "text_delta" in line]
+            assert deltas, "no text streamed"
+            assert running(router) == 1
+    wait_until(lambda: running(router) == 0, 10, "the worker's running count to drop to 0")
+    assert metric(router, "headroom_cancelled_requests_total", 'where="running"') == before + 1
+
+
+# -- /v1/responses ---------------------------------------------------------------------
+
+
+def test_responses_is_the_chat_request(oai: openai.OpenAI, chat_answer: Any) -> None:
+    response = oai.responses.create(model="gpt-5-codex", instructions=CHAT_MESSAGES[0]["content"],
+                                    input=QUESTION, max_output_tokens=12, temperature=0, store=False)
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat_answer.choices[0].message.content
+    assert response.status == ("incomplete" if chat_answer.choices[0].finish_reason == "length"
+                               else "completed")
+    assert response.usage is not None
+    assert response.usage.input_tokens == chat_answer.usage.prompt_tokens
+    assert response.usage.output_tokens == chat_answer.usage.completion_tokens
+
+
+def test_responses_stream(oai: openai.OpenAI, chat_answer: Any) -> None:
+    stream = oai.responses.create(
+        model="gpt-5-codex", input=[{"role": "developer", "content": CHAT_MESSAGES[0]["content"]},
+                                    {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        max_output_tokens=12, temperature=0, stream=True)
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == chat_answer.choices[0].message.content
+    assert events[-1].response.output_text == text  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+])
+def test_responses_refusals_are_clear_400s(oai: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(model="m", input="hi", **fields)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param  # type: ignore[index]
