@@ -64,7 +64,8 @@ def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
         chat_messages += _message(m, i)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages,
                             "stream": body.get("stream")}
-    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+    # ignore_eos: vLLM's extension, as chat completions take it (benchmarks need exact lengths)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos"):
         if body.get(name) is not None:
             chat[name] = body[name]
     stops = body.get("stop_sequences")

@@ -57,7 +57,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages,
                             "stream": body.get("stream"), "max_tokens": body.get("max_output_tokens"),
                             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                            "parallel_tool_calls": body.get("parallel_tool_calls")}
+                            "parallel_tool_calls": body.get("parallel_tool_calls"),
+                            "ignore_eos": body.get("ignore_eos")}  # vLLM's extension, as in chat
     chat.update(tools_to_chat(body.get("tools"), body.get("tool_choice")))
     chat["response_format"] = _text_format(body.get("text"))
     return {k: v for k, v in chat.items() if v is not None}
