@@ -3,8 +3,8 @@
 A Messages body is translated into the chat-completions body that means the same
 (`to_chat`: plain dicts, pure) and parsed by router/schema.py, so the request is the same
 internal request as a chat completion's; `MessagesPresenter` turns the output back into
-Anthropic's message and its SSE event sequence, and `error_body` is the one place the
-error tree takes Anthropic's error shape.
+Anthropic's message and its SSE event sequence (router/anthropic_output.py, where
+`error_body` is the one place the error tree takes Anthropic's error shape).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
-from common.errors import BadRequest, HeadroomError, QueueFull, Unavailable
+from common.errors import BadRequest
+from router.anthropic_output import MessagesPresenter
 from router.api import Api, Endpoint
 from router.job import Job
-from router.output import Collector, Presenter, sse
+from router.output import Presenter
 from router.schema import Parsed, parse_chat
 
 log = logging.getLogger(__name__)
@@ -27,24 +28,6 @@ MESSAGE_ROLES = frozenset({"user", "assistant"})
 THINKING_TYPES = frozenset({"enabled", "disabled", "adaptive", "between_tools"})
 # Replayed reasoning: the chat template re-renders none of it, so it is dropped.
 DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
-PING = sse({"type": "ping"}, event="ping")
-# Anthropic's error types by HTTP status; a 503 or a full queue means "overloaded, retry".
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large"}
-
-
-def error_body(exc: HeadroomError) -> dict[str, Any]:
-    """Anthropic's error shape for any error of the tree (also an SSE ``error`` event's data)."""
-    if isinstance(exc, (Unavailable, QueueFull)):
-        kind = "overloaded_error"
-    elif exc.status >= 500:
-        kind = "api_error"
-    else:
-        kind = ERROR_TYPES.get(exc.status, "invalid_request_error")
-    message = exc.message
-    if exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields
-        message += " (" + ", ".join(f"{k} {v}" for k, v in exc.extra.items()) + ")"
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # -- request: Messages body -> chat-completions body -------------------------------------
@@ -231,79 +214,7 @@ def parse_count(body: Any, default_max_tokens: int) -> Parsed:
     return parse_chat(to_chat(body, require_max_tokens=False), default_max_tokens)
 
 
-# -- response: output -> Anthropic message and SSE events --------------------------------
-
-
-def stop_reason(c: Collector) -> str:
-    if c.finish_reason == "length":
-        return "max_tokens"
-    return "stop_sequence" if c.stop_sequence is not None else "end_turn"
-
-
-class MessagesPresenter:
-    """Anthropic's message, and its SSE sequence: message_start, content blocks, message_stop."""
-
-    def __init__(self, request_id: str, model_id: str, input_tokens: int) -> None:
-        self.request_id = request_id
-        self.model_id = model_id
-        self.input_tokens = input_tokens
-        self._started = False
-        self._num_blocks = 0
-        self._open_block: str | None = None
-
-    def _message(self, content: list[dict[str, Any]], reason: str | None,
-                 stop_sequence: str | None, output_tokens: int) -> dict[str, Any]:
-        return {"id": self.request_id, "type": "message", "role": "assistant",
-                "model": self.model_id, "content": content, "stop_reason": reason,
-                "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
-                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-
-    def body(self, c: Collector) -> dict[str, Any]:
-        return self._message([{"type": "text", "text": c.text}], stop_reason(c),
-                             c.stop_sequence, c.completion_tokens)
-
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
-        return sse({"type": "message_start", "message": self._message([], None, None, 0)},
-                   event="message_start") + PING
-
-    def _text_block(self) -> bytes:
-        if self._open_block == "text":
-            return b""
-        self._open_block = "text"
-        self._num_blocks += 1
-        return sse({"type": "content_block_start", "index": self._num_blocks - 1,
-                    "content_block": {"type": "text", "text": ""}}, event="content_block_start")
-
-    def delta(self, c: Collector) -> bytes:
-        text = c.take_delta()
-        out = self._start()
-        if text:
-            out += self._text_block() + sse(
-                {"type": "content_block_delta", "index": self._num_blocks - 1,
-                 "delta": {"type": "text_delta", "text": text}}, event="content_block_delta")
-        return out
-
-    def keepalive(self) -> bytes:
-        return self._start() or PING
-
-    def tail(self, c: Collector) -> bytes:
-        out = self.delta(c)
-        if self._num_blocks == 0:  # as in the whole message: always at least one text block
-            out += self._text_block()
-        out += sse({"type": "content_block_stop", "index": self._num_blocks - 1},
-                   event="content_block_stop")
-        usage = {"input_tokens": self.input_tokens, "output_tokens": c.completion_tokens}
-        out += sse({"type": "message_delta", "usage": usage,
-                    "delta": {"stop_reason": stop_reason(c), "stop_sequence": c.stop_sequence}},
-                   event="message_delta")
-        return out + sse({"type": "message_stop"}, event="message_stop")
-
-    def error(self, exc: HeadroomError) -> bytes:
-        return sse(error_body(exc), event="error")
+# -- the endpoint ----------------------------------------------------------------------
 
 
 def _present(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:

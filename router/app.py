@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from common.config import RouterConfig
-from router import anthropic_api
+from router import anthropic_output
 from router.anthropic_api import Messages
 from router.api import Api, make_error_middleware
 from router.responses_api import Responses
@@ -53,7 +53,7 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Application:
     # Each API answers errors in its own shape; OpenAI's is the default.
-    errors = make_error_middleware({"/v1/messages": anthropic_api.error_body})
+    errors = make_error_middleware({"/v1/messages": anthropic_output.error_body})
     app = web.Application(middlewares=[errors], client_max_size=cfg.max_body_bytes)
     state = RouterState()
     metrics = Metrics()

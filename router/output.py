@@ -62,6 +62,11 @@ class Collector:
         self._delta.clear()
         return delta
 
+    def take_chat_delta(self) -> dict[str, Any]:
+        """What was gathered since the last take, as a chat completion's stream delta carries
+        it; router/anthropic_output.py and router/responses_output.py build from these."""
+        return {"content": self.take_delta()}
+
     @property
     def text(self) -> str:
         return "".join(self.parts)

@@ -1,8 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``), stateless, on the shared path.
 
 A Responses body is translated into the chat-completions body that means the same
-(`to_chat`: plain dicts, pure) and parsed by router/schema.py; `ResponsesPresenter` turns
-the output back into a Response object and its event stream. Nothing is stored, so
+(`to_chat`: plain dicts, pure) and parsed by router/schema.py; router/responses_output.py
+turns the output back into a Response object and its event stream. Nothing is stored, so
 ``previous_response_id`` and ``store: true`` are refused rather than half served. Errors
 keep OpenAI's shape (the default of router/api.py's middleware); a stream that fails
 after it started ends with ``error`` and ``response.failed`` events.
@@ -11,15 +11,15 @@ after it started ends with ``error`` and ``response.failed`` events.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from aiohttp import web
 
-from common.errors import BadRequest, HeadroomError
+from common.errors import BadRequest
 from router.api import Api, Endpoint
 from router.job import Job
-from router.output import Collector, Presenter, sse
+from router.output import Presenter
+from router.responses_output import ResponsesPresenter
 from router.schema import Parsed, parse_chat
 
 log = logging.getLogger(__name__)
@@ -186,107 +186,18 @@ def parse_responses(body: Any, default_max_tokens: int) -> Parsed:
     return parse_chat(to_chat(body), default_max_tokens)
 
 
-# -- response: output -> Response object and its events ----------------------------------
-
-
-class ResponsesPresenter:
-    """A Response object, and its stream: created, output items and parts, completed."""
-
-    def __init__(self, body: dict[str, Any], parsed: Parsed, request_id: str, model_id: str) -> None:
-        self.request_id = request_id
-        self.item_id = "msg_" + request_id.removeprefix("resp_")
-        self.created_at = int(time.time())
-        self.echo = {"instructions": body.get("instructions"),
-                     "max_output_tokens": body.get("max_output_tokens"),
-                     "temperature": parsed.sampling.temperature, "top_p": parsed.sampling.top_p,
-                     "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                     "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                     "text": body.get("text") or {"format": {"type": "text"}},
-                     "metadata": body.get("metadata") or {}, "model": model_id}
-        self._sequence = 0
-        self._started = False
-        self._text_open = False
-
-    def _response(self, status: str, output: list[dict[str, Any]], c: Collector | None = None,
-                  **fields: Any) -> dict[str, Any]:
-        body = {"id": self.request_id, "object": "response", "created_at": self.created_at,
-                "status": status, "error": None, "incomplete_details": None, "output": output,
-                "previous_response_id": None, "store": False, "truncation": "disabled",
-                "usage": None, **self.echo, **fields}
-        if c is not None:
-            body["usage"] = {"input_tokens": c.prompt_tokens, "output_tokens": c.completion_tokens,
-                             "total_tokens": c.prompt_tokens + c.completion_tokens,
-                             "input_tokens_details": {"cached_tokens": 0},
-                             "output_tokens_details": {"reasoning_tokens": 0}}
-        return body
-
-    def _final(self, c: Collector) -> dict[str, Any]:
-        part = {"type": "output_text", "text": c.text, "annotations": [], "logprobs": []}
-        item = {"type": "message", "id": self.item_id, "status": "completed", "role": "assistant",
-                "content": [part]}
-        if c.finish_reason == "length":
-            return self._response("incomplete", [item], c,
-                                  incomplete_details={"reason": "max_output_tokens"})
-        return self._response("completed", [item], c)
-
-    def body(self, c: Collector) -> dict[str, Any]:
-        return self._final(c)
-
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        self._sequence += 1
-        return sse({"type": kind, "sequence_number": self._sequence - 1, **fields}, event=kind)
-
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
-        head = self._response("in_progress", [])
-        return (self._event("response.created", response=head)
-                + self._event("response.in_progress", response=head))
-
-    def _open_text(self) -> bytes:
-        if self._text_open:
-            return b""
-        self._text_open = True
-        item = {"type": "message", "id": self.item_id, "status": "in_progress", "role": "assistant",
-                "content": []}
-        return (self._event("response.output_item.added", output_index=0, item=item)
-                + self._event("response.content_part.added", item_id=self.item_id, output_index=0,
-                              content_index=0, part={"type": "output_text", "text": "",
-                                                     "annotations": [], "logprobs": []}))
-
-    def delta(self, c: Collector) -> bytes:
-        text = c.take_delta()
-        out = self._start()
-        if text:
-            out += self._open_text() + self._event(
-                "response.output_text.delta", item_id=self.item_id, output_index=0,
-                content_index=0, delta=text, logprobs=[])
-        return out
-
-    def keepalive(self) -> bytes:
-        return self._start() or b": keepalive\n\n"
-
-    def tail(self, c: Collector) -> bytes:
-        out = self.delta(c) + self._open_text()
-        final = self._final(c)
-        item = final["output"][0]
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        out += self._event("response.output_text.done", **where, text=c.text, logprobs=[])
-        out += self._event("response.content_part.done", **where, part=item["content"][0])
-        out += self._event("response.output_item.done", output_index=0, item=item)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return out + self._event(kind, response=final)
-
-    def error(self, exc: HeadroomError) -> bytes:
-        failed = self._response("failed", [], error={"code": exc.code, "message": exc.message})
-        return (self._start()
-                + self._event("error", code=exc.code, message=exc.message, param=exc.param)
-                + self._event("response.failed", response=failed))
+# -- the endpoint ----------------------------------------------------------------------
 
 
 def _present(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
-    return ResponsesPresenter(body, parsed, job.request_id, model_id)
+    echo = {"model": model_id, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": parsed.sampling.temperature, "top_p": parsed.sampling.top_p,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "metadata": body.get("metadata") or {}}
+    return ResponsesPresenter(job.request_id, echo)
 
 
 RESPONSES = Endpoint("responses", "resp_", parse_responses, _present)

@@ -1,5 +1,5 @@
-"""Tests for router/responses_api.py: the Responses body as a chat body, and the output as a
-Response object and its event stream. Pure: plain dicts in and out, no processes."""
+"""Tests for router/responses_api.py: the Responses body as the chat body that means the same.
+Pure: plain dicts in and out, no processes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from typing import Any
 
 import pytest
 
-from common.errors import BadRequest, WorkerLost
-from router.job import TokenEvent
-from router.responses_api import ResponsesPresenter, parse_responses, to_chat
-from tests.unit.test_anthropic_api import collector, events
+from common.errors import BadRequest
+from router.responses_api import parse_responses, to_chat
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -115,50 +113,3 @@ def test_bad_input_names_the_responses_parameter(b: dict[str, Any], param: str) 
 
 def test_store_false_is_accepted() -> None:
     assert to_chat(body(store=False))["messages"] == [{"role": "user", "content": "hi"}]
-
-
-# -- response --------------------------------------------------------------------------
-
-
-def presenter(**fields: Any) -> ResponsesPresenter:
-    b = body(**fields)
-    return ResponsesPresenter(b, parse_responses(b, 512), "resp_abc", "demo")
-
-
-def test_stream_sequence_and_whole_response_agree() -> None:
-    c, p = collector(), presenter(max_output_tokens=3)
-    raw = p.keepalive() + p.keepalive()
-    assert raw.endswith(b": keepalive\n\n")
-    raw = raw.removesuffix(b": keepalive\n\n")
-    for ids, reason in (([72, 105], None), ([33], "stop")):
-        c.feed(TokenEvent(ids, reason))
-        raw += p.delta(c)
-    seq = events(raw + p.tail(c))
-    assert [e["type"] for e in seq] == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.completed"]
-    assert [e["sequence_number"] for e in seq] == list(range(len(seq)))
-    assert seq[0]["response"]["status"] == "in_progress"
-    assert "".join(e["delta"] for e in seq if e["type"] == "response.output_text.delta") == "Hi!"
-    final = seq[-1]["response"]
-    assert final == p.body(c) and final["status"] == "completed"
-    assert final["output"][0]["content"][0]["text"] == "Hi!" and final["store"] is False
-    assert final["usage"]["input_tokens"] == 7 and final["usage"]["output_tokens"] == 3
-
-
-def test_max_output_tokens_is_incomplete() -> None:
-    c, p = collector(), presenter()
-    c.feed(TokenEvent([72], "length"))
-    seq = events(p.delta(c) + p.tail(c))
-    assert seq[-1]["type"] == "response.incomplete"
-    assert seq[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
-
-
-def test_stream_error_ends_with_response_failed() -> None:
-    seq = events(presenter().error(WorkerLost("gone")))
-    assert [e["type"] for e in seq] == ["response.created", "response.in_progress", "error",
-                                        "response.failed"]
-    assert seq[2]["code"] == "worker_lost" and seq[2]["message"] == "gone"
-    assert seq[3]["response"]["error"] == {"code": "worker_lost", "message": "gone"}
