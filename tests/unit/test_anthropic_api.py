@@ -3,6 +3,8 @@ Pure: plain dicts in and out, no processes."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from common.errors import BadRequest
 from router.anthropic_api import parse_messages, to_chat
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -125,3 +128,18 @@ def test_bad_input_names_the_anthropic_parameter(b: dict[str, Any], param: str) 
 
 def test_count_tokens_needs_no_max_tokens() -> None:
     assert "max_tokens" not in to_chat({"messages": USER}, require_max_tokens=False)
+
+
+def test_a_claude_code_request_translates_whole() -> None:
+    recorded = json.loads((FIXTURES / "claude_code_messages.json").read_text())
+    chat = to_chat(recorded)
+    assert [t["function"]["name"] for t in chat["tools"]][:3] == ["Task", "Bash", "Glob"]
+    assert len(chat["tools"]) == len(recorded["tools"]) == 12
+    roles = [m["role"] for m in chat["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant",
+                     "tool", "assistant", "tool", "user"]
+    calls = [c["id"] for m in chat["messages"] for c in m.get("tool_calls", ())]
+    results = [m["tool_call_id"] for m in chat["messages"] if m["role"] == "tool"]
+    assert calls == results == ["toolu_01A", "toolu_01B", "toolu_01C", "toolu_01D"]
+    assert chat["messages"][3]["content"].startswith("Error: F\n")
+    assert chat["max_tokens"] == 32000 and chat["stream"] is True

@@ -3,12 +3,14 @@ Pure: plain dicts in and out, no processes."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from common.errors import BadRequest
 from router.responses_api import parse_responses, to_chat
+from tests.unit.test_anthropic_api import FIXTURES
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -113,3 +115,17 @@ def test_bad_input_names_the_responses_parameter(b: dict[str, Any], param: str) 
 
 def test_store_false_is_accepted() -> None:
     assert to_chat(body(store=False))["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_a_codex_request_translates_whole() -> None:
+    recorded = json.loads((FIXTURES / "codex_responses.json").read_text())
+    chat = to_chat(recorded)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell", "update_plan", "apply_patch",
+                                                               "view_image"]
+    assert [m["role"] for m in chat["messages"]] == [
+        "system", "user", "user", "assistant", "tool", "assistant", "tool", "user"]
+    assert chat["messages"][3]["tool_calls"][0]["id"] == "call_1"
+    # the assistant's text and the call after it are one turn, as the model produced them
+    assert chat["messages"][5]["content"][0]["text"].startswith("I'll add the flag")
+    assert chat["messages"][5]["tool_calls"][0]["function"]["name"] == "apply_patch"
+    assert chat["parallel_tool_calls"] is False and chat["stream"] is True
