@@ -1,19 +1,18 @@
 """What the Messages and Responses APIs cost over chat completions: the same requests.
 
-    python -m bench apis [--concurrency 1,8] [--requests 32] [--repeats 3] [--paired 32]
-                         [--max-tokens 64] [--json out.json]
+    python -m bench apis [--concurrency 1,8] [--waves 24] [--max-tokens 64] [--json out.json]
 
 One Headroom router on the demo model. Each prompt goes to every API as the same one-turn
 conversation (so the same prompt ids reach the worker), streaming, greedy, exactly
 --max-tokens tokens (ignore_eos), each request checked (HTTP 200, the API's closing event,
 usage equal to max_tokens).
 
-- Paired, c=1: each prompt to the three APIs back to back, order rotated per prompt, one
-  keep-alive connection per API; added TTFT = median over prompts of (API − chat), so the
-  machine's drift hits the three alike.
-- Workloads, every c: the same prompts to each API in rotated order, --repeats times;
-  tokens/s = all completion tokens ÷ the workload's wall time, pooled over repetitions;
-  the figure is API ÷ chat for tokens/s and chat ÷ API for the median TTFT (1.0 = no cost).
+At each concurrency c the prompts come in waves of c: a wave goes to one API (all c at
+once), then the same wave to the next, the order rotated per wave. A shared machine's speed
+drifts by tens of percent within a minute; back to back, a wave's three runs see the same
+machine, so each figure is a median over waves of a per-wave comparison with chat:
+added TTFT = median TTFT of the wave on the API − on chat; tokens/s ratio = the wave's
+tokens/s on the API ÷ on chat (1.0 = the translation costs nothing).
 """
 
 from __future__ import annotations
@@ -124,97 +123,81 @@ async def one_request(session: aiohttp.ClientSession, url: str, api: Api, prompt
     return res
 
 
-async def paired(url: str, prompts: list[Prompt], max_tokens: int) -> dict[str, list[RequestResult]]:
-    """Each prompt to every API back to back (order rotated), one connection per API."""
-    out: dict[str, list[RequestResult]] = {api.name: [] for api in APIS}
+Round = tuple[list[RequestResult], float]  # one wave's results and its wall seconds
+
+
+async def rounds(url: str, waves: list[list[Prompt]], max_tokens: int) -> dict[str, list[Round]]:
+    """Each wave of prompts to every API in turn (order rotated per wave), all of a wave at
+    once; one keep-alive connection per stream slot and API, as a real client keeps."""
+    out: dict[str, list[Round]] = {api.name: [] for api in APIS}
+    width = max(len(w) for w in waves)
     async with contextlib.AsyncExitStack() as stack:
         sessions = {api.name: await stack.enter_async_context(
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))) for api in APIS}
-        for i, prompt in enumerate(prompts):
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=width))) for api in APIS}
+        for i, wave in enumerate(waves):
             for api in APIS[i % 3:] + APIS[:i % 3]:
-                out[api.name].append(await one_request(sessions[api.name], url, api, prompt, max_tokens))
+                started = time.perf_counter()
+                results = await asyncio.gather(*(one_request(sessions[api.name], url, api, p, max_tokens)
+                                                 for p in wave))
+                out[api.name].append((list(results), time.perf_counter() - started))
     return out
-
-
-async def workload(url: str, api: Api, prompts: list[Prompt], concurrency: int,
-                   max_tokens: int) -> tuple[list[RequestResult], float]:
-    """Every prompt once, `concurrency` at a time; (results, wall seconds)."""
-    waiting = list(reversed(prompts))
-    results: list[RequestResult] = []
-
-    async def user(session: aiohttp.ClientSession) -> None:
-        while waiting:
-            results.append(await one_request(session, url, api, waiting.pop(), max_tokens))
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        started = time.perf_counter()
-        await asyncio.gather(*(user(session) for _ in range(concurrency)))
-        return results, time.perf_counter() - started
 
 
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else float("nan")
 
 
-def summarize_paired(results: dict[str, list[RequestResult]]) -> dict[str, Any]:
-    chat = results["chat"]
+def _ttft_s(results: list[RequestResult]) -> float | None:
+    values = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    return statistics.median(values) if values else None
+
+
+def _tokens_per_s(results: list[RequestResult], wall_s: float) -> float:
+    return sum(r.completion_tokens for r in results if r.ok) / wall_s
+
+
+def summarize(runs: dict[str, list[Round]]) -> dict[str, Any]:
+    """Per API: pooled figures, and per-wave differences to chat's (median over waves)."""
     out: dict[str, Any] = {}
-    for name, rs in results.items():
-        pairs = [(r.ttft_s, c.ttft_s) for r, c in zip(rs, chat)
-                 if r.ok and c.ok and r.ttft_s is not None and c.ttft_s is not None]
-        out[name] = {"requests": len(rs), "errors": sum(not r.ok for r in rs),
-                     "ttft_p50_ms": _median_ms([r.ttft_s for r in rs if r.ok and r.ttft_s]),
-                     "added_ttft_ms": _median_ms([a - b for a, b in pairs])}
+    for name, waves in runs.items():
+        results = [r for rs, _ in waves for r in rs]
+        good = [r for r in results if r.ok]
+        added, ratios = [], []
+        for (rs, wall), (chat_rs, chat_wall) in zip(waves, runs["chat"]):
+            ttft, chat_ttft = _ttft_s(rs), _ttft_s(chat_rs)
+            if ttft is not None and chat_ttft is not None:
+                added.append(ttft - chat_ttft)
+            if _tokens_per_s(chat_rs, chat_wall) > 0:
+                ratios.append(_tokens_per_s(rs, wall) / _tokens_per_s(chat_rs, chat_wall))
+        out[name] = {
+            "requests": len(results), "errors": len(results) - len(good),
+            "ttft_p50_ms": _median_ms([r.ttft_s for r in good if r.ttft_s is not None]),
+            "tokens_per_s": sum(r.completion_tokens for r in good) / sum(w for _, w in waves),
+            "added_ttft_ms": _median_ms(added),
+            "tokens_per_s_ratio": statistics.median(ratios) if ratios else float("nan"),
+            "error_samples": sorted({r.error or "" for r in results if not r.ok})[:3]}
     return out
 
 
-def summarize_workloads(runs: dict[str, list[tuple[list[RequestResult], float]]]) -> dict[str, Any]:
-    """Per API: pooled TTFT median and tokens/s, and each as a ratio to chat's."""
-    base: dict[str, Any] = {}
-    for name, reps in runs.items():
-        results = [r for rs, _ in reps for r in rs]
-        good = [r for r in results if r.ok]
-        tokens = sum(r.completion_tokens for r in good)
-        base[name] = {"requests": len(results), "errors": len(results) - len(good),
-                      "ttft_p50_ms": _median_ms([r.ttft_s for r in good if r.ttft_s is not None]),
-                      "tokens_per_s": tokens / sum(wall for _, wall in reps)}
-    chat = base["chat"]
-    for figures in base.values():
-        figures["ttft_ratio"] = chat["ttft_p50_ms"] / figures["ttft_p50_ms"]
-        figures["tokens_per_s_ratio"] = figures["tokens_per_s"] / chat["tokens_per_s"]
-    return base
-
-
 def measure(url: str, encode: Callable[[str], list[int]], args: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {"max_tokens": args.max_tokens, "prompt_tokens": PROMPT_TOKENS["short"]}
-    asyncio.run(paired(url, make_prompts(encode, "warm", 6, PROMPT_TOKENS["short"]), args.max_tokens))
-    if args.paired:
-        prompts = make_prompts(encode, "p", args.paired, PROMPT_TOKENS["short"])
-        doc["paired_c1"] = summarize_paired(asyncio.run(paired(url, prompts, args.max_tokens)))
+    short = PROMPT_TOKENS["short"]
+    doc: dict[str, Any] = {"max_tokens": args.max_tokens, "prompt_tokens": short,
+                           "waves": args.waves}
+    asyncio.run(rounds(url, [make_prompts(encode, "warm", 4, short)], args.max_tokens))
     for c in args.concurrency:
-        runs: dict[str, list[tuple[list[RequestResult], float]]] = {api.name: [] for api in APIS}
-        for rep in range(args.repeats):
-            prompts = make_prompts(encode, f"r{rep}c{c}", args.requests, PROMPT_TOKENS["short"])
-            for api in APIS[rep % 3:] + APIS[:rep % 3]:
-                runs[api.name].append(asyncio.run(workload(url, api, prompts, c, args.max_tokens)))
-        doc[f"c{c}"] = summarize_workloads(runs)
+        waves = [make_prompts(encode, f"c{c}w{i}", c, short) for i in range(args.waves)]
+        doc[f"c{c}"] = summarize(asyncio.run(rounds(url, waves, args.max_tokens)))
     return doc
 
 
 def render(doc: dict[str, Any]) -> str:
-    lines = ["api        c  requests errors  TTFT p50 ms  tokens/s  TTFT chat/api  tok/s api/chat"]
+    lines = ["api        c requests errors  TTFT p50 ms  tokens/s  added TTFT ms  tok/s ÷ chat's"]
     for key, rows in doc.items():
-        if not key.startswith("c"):
-            continue
-        for name, f in rows.items():
-            lines.append(f"{name:<9} {key[1:]:>2} {f['requests']:>9} {f['errors']:>6} "
-                         f"{f['ttft_p50_ms']:>12.2f} {f['tokens_per_s']:>9.1f} "
-                         f"{f['ttft_ratio']:>14.3f} {f['tokens_per_s_ratio']:>15.3f}")
-    if "paired_c1" in doc:
-        lines.append("\npaired c=1  requests errors  TTFT p50 ms  added TTFT vs chat ms")
-        for name, f in doc["paired_c1"].items():
-            lines.append(f"{name:<10} {f['requests']:>9} {f['errors']:>6} {f['ttft_p50_ms']:>12.2f} "
-                         f"{f['added_ttft_ms']:>22.2f}")
+        if key.startswith("c"):
+            for name, f in rows.items():
+                lines.append(f"{name:<9} {key[1:]:>2} {f['requests']:>8} {f['errors']:>6} "
+                             f"{f['ttft_p50_ms']:>12.2f} {f['tokens_per_s']:>9.1f} "
+                             f"{f['added_ttft_ms']:>14.2f} {f['tokens_per_s_ratio']:>15.3f}")
     return "\n".join(lines)
 
 
@@ -225,9 +208,7 @@ def _int_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser("apis", __doc__)
     p.add_argument("--concurrency", type=_int_list, default=[1, 8])
-    p.add_argument("--requests", type=int, default=32, help="per workload repetition")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--paired", type=int, default=32, help="prompts in the paired c=1 run (0: skip)")
+    p.add_argument("--waves", type=int, default=24, help="waves of c requests per concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=180.0)
     args = cli.parse(p, argv)

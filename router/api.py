@@ -51,6 +51,7 @@ KEEPALIVE_S = 5.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 # An API's error body for an error (OpenAI's is HeadroomError.to_body).
@@ -67,7 +68,7 @@ class HttpError(HeadroomError):
         self.code = str(exc.status)  # type: ignore[misc]
 
 
-def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Any:
+def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
     """The middleware that answers every error; ``shapes`` maps a path prefix to its API's body."""
 
     def body_for(path: str, exc: HeadroomError) -> dict[str, Any]:
