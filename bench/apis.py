@@ -179,6 +179,57 @@ def summarize(runs: dict[str, list[Round]]) -> dict[str, Any]:
     return out
 
 
+def _best_us(fn: Callable[[], object], number: int) -> float:
+    """Mean µs of fn over `number` calls, the best of 7 runs: other load only ever adds."""
+    best = float("inf")
+    for _ in range(7):
+        started = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - started) / number)
+    return best * 1e6
+
+
+def router_cpu(folder: Path, max_tokens: int) -> dict[str, Any]:
+    """The router's own work for one request on each API, timed in-process: parsing the body
+    (translation included) and presenting max_tokens tokens, one event each, as the stream
+    loop does. Prompt tokenizing and everything after the HTTP handler are the same for all
+    three, so they are left out."""
+    from router.anthropic_api import MESSAGES
+    from router.api import CHAT
+    from router.job import Job, TokenEvent
+    from router.output import Collector
+    from router.responses_api import RESPONSES
+    from router.tokenizer import RouterTokenizer
+
+    tok = RouterTokenizer.load(folder)
+    text = make_prompts(tok.encode, "cpu", 1, PROMPT_TOKENS["short"])[0].text
+    out_ids = (tok.encode("the router presents each token in the shape of its API ") * max_tokens)[:max_tokens]
+    out: dict[str, Any] = {}
+    for api, endpoint in zip(APIS, (CHAT, MESSAGES, RESPONSES)):
+        body = api.body(text, max_tokens)
+
+        def one_request() -> None:
+            parsed = endpoint.parse(body, 512)
+            job = Job(request_id=endpoint.id_prefix + "0", prompt_ids=out_ids, sampling=parsed.sampling,
+                      deadline=0.0, enqueued_at=0.0)
+            present = endpoint.present(body, parsed, job, "demo")
+            c = Collector(tok.make_detokenizer(), parsed.stop, len(out_ids))
+            for i, token in enumerate(out_ids):
+                c.feed(TokenEvent([token], "length" if i == len(out_ids) - 1 else None))
+                present.delta(c)
+            present.tail(c)
+
+        parse_us = _best_us(lambda: endpoint.parse(body, 512), 2000)
+        request_us = _best_us(one_request, 100)
+        out[api.name] = {"parse_us": parse_us, "request_us": request_us,
+                         "per_token_us": (request_us - parse_us) / max_tokens}
+    for figures in out.values():
+        figures["added_us_per_request"] = figures["request_us"] - out["chat"]["request_us"]
+        figures["added_us_per_token"] = figures["per_token_us"] - out["chat"]["per_token_us"]
+    return out
+
+
 def measure(url: str, encode: Callable[[str], list[int]], args: Any) -> dict[str, Any]:
     short = PROMPT_TOKENS["short"]
     doc: dict[str, Any] = {"max_tokens": args.max_tokens, "prompt_tokens": short,
@@ -198,6 +249,13 @@ def render(doc: dict[str, Any]) -> str:
                 lines.append(f"{name:<9} {key[1:]:>2} {f['requests']:>8} {f['errors']:>6} "
                              f"{f['ttft_p50_ms']:>12.2f} {f['tokens_per_s']:>9.1f} "
                              f"{f['added_ttft_ms']:>14.2f} {f['tokens_per_s_ratio']:>15.3f}")
+    if "router_cpu" in doc:
+        lines.append("\nrouter CPU per request (in-process, best of 7): parse µs, whole request µs, "
+                     "per token µs, added per request µs, added per token µs")
+        for name, f in doc["router_cpu"].items():
+            lines.append(f"{name:<9} {f['parse_us']:>8.1f} {f['request_us']:>10.1f} "
+                         f"{f['per_token_us']:>8.2f} {f['added_us_per_request']:>10.1f} "
+                         f"{f['added_us_per_token']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -218,12 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.systems import Headroom
 
     model_arg, folder, _ = resolve_model("demo")
+    cpu = router_cpu(folder, args.max_tokens)
     router = Headroom(model_arg, Path(tempfile.mkdtemp(prefix="headroom-apis-")), ["--log-level", "warning"])
     router.start(args.startup_timeout)
     try:
         doc = measure(router.url, load_tokenizer(folder).encode, args)
     finally:
         router.stop()
+    doc["router_cpu"] = cpu
     print(render(doc))
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=2))

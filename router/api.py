@@ -167,8 +167,12 @@ class Api:
 
     async def models(self, request: web.Request) -> web.Response:
         self.check_auth(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom"}]})
+        # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the rest
+        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
+                 "type": "model", "display_name": self.model_id,
+                 "created_at": "1970-01-01T00:00:00Z"}
+        return web.json_response({"object": "list", "data": [model], "has_more": False,
+                                  "first_id": self.model_id, "last_id": self.model_id})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, COMPLETIONS)

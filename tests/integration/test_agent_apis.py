@@ -206,3 +206,9 @@ def test_responses_refusals_are_clear_400s(oai: openai.OpenAI, fields: dict[str,
         oai.responses.create(model="m", input="hi", **fields)
     assert info.value.status_code == 400
     assert info.value.body["param"] == param  # type: ignore[index]
+
+
+def test_models_list_reads_in_both_clients(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    [served] = list(claude.models.list())
+    assert served.id == "demo" and served.type == "model"
+    assert [m.id for m in oai.models.list()] == ["demo"]
