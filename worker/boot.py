@@ -69,7 +69,9 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                                prefill_step_tokens=cfg.prefill_step_size,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
-    model, _ = calibrate(loaded.model, static, cache_dir=cache_dir, key=key)
+    # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
+    stretch = 1 if probe.device == "cpu" else 4
+    model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
