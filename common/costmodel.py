@@ -193,7 +193,9 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     old_worst = 0
     if running_totals:
         old_worst = batch_cost_bytes(m, len(running_totals), max(running_totals), 0, 0, 0)
-    new_worst = batch_cost_bytes(m, len(running_totals) + 1, max(running_totals + [total]),
-                                 chunk, prefill_rows + 1, prompt_tokens)
+    longest = max(running_totals + [total])
+    # The chunk's rows may include older, longer prompts: charge it at the longest context.
+    new_worst = batch_cost_bytes(m, len(running_totals) + 1, longest, chunk, prefill_rows + 1,
+                                 longest if running_totals else prompt_tokens)
     fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
     return fits, new_worst

@@ -77,6 +77,12 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline)
+    memory.extra["calibration"] = {
+        "source": calibration.source, "seconds": round(calibration.seconds, 3),
+        "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),
+        "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
+        "kv_bytes_per_token": calibration.kv_bytes_per_token,
+        "holdout_measured_over_predicted": calibration.holdout_ratio}
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
@@ -92,7 +98,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     opts = ServerOptions(router_addr=cfg.router, incarnation=incarnation,
                          oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
                          max_running=max_running, vocab_size=shape.vocab_size,
-                         wedge_after_steps=cfg.test_wedge_after_steps)
+                         wedge_after_steps=cfg.test_wedge_after_steps,
+                         grow_scale_on_signal=cfg.test_grow_scale)
     log.info("device %s, limit %d MiB, weights %d MiB, budget %d MiB, KV %d B/token, "
              "max request %d tokens, oom guard %s, admission %s",
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,

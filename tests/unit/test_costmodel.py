@@ -310,7 +310,7 @@ def test_fits_now_pads_a_short_request_to_the_longest_running() -> None:
     m = make_model()
     _, worst = fits_now(m, [3000], 10, 10, 0, 1 << 50)
     chunk = 10
-    assert worst == batch_cost_bytes(m, 2, 3000, chunk, 1, 10)
+    assert worst == batch_cost_bytes(m, 2, 3000, chunk, 1, 3000)  # its chunk at the longest context
     assert worst >= 2 * roundup(3000) * m.kv_bytes_per_token
 
 
@@ -327,7 +327,7 @@ def test_fits_now_counts_prefilling_rows() -> None:
     _, decoding = fits_now(m, [1010, 1010], 1000, 10, 0, 1 << 50)
     _, prefilling = fits_now(m, [1010, 1010], 1000, 10, 2, 1 << 50)
     # Two rows that are still prefilling pay a chunk each instead of one decode token each.
-    assert prefilling - decoding == 2 * (prefill_transient_bytes(m, m.prefill_step_tokens, 1000)
+    assert prefilling - decoding == 2 * (prefill_transient_bytes(m, m.prefill_step_tokens, 1010)
                                          - prefill_transient_bytes(m, 1, 1010))
 
 
