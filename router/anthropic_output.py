@@ -139,7 +139,8 @@ class MessagesPresenter:
             return "max_tokens"
         return "stop_sequence" if c.stop_sequence is not None else "end_turn"
 
-    def body(self, c: Collector) -> dict[str, Any]:
+    def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
+        c = collectors[0]  # Messages has one choice
         self._end(c)
         return self._message(self.stop_reason(c), c.stop_sequence, c.completion_tokens)
 
@@ -149,7 +150,8 @@ class MessagesPresenter:
     def keepalive(self) -> bytes:
         return self._start() or PING
 
-    def tail(self, c: Collector) -> bytes:
+    def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
+        c = collectors[0]
         out = self._start() + self._end(c)
         usage = {"input_tokens": self.input_tokens, "output_tokens": c.completion_tokens}
         out += self._event("message_delta", usage=usage,

@@ -329,7 +329,7 @@ class Api:
             if isinstance(event, HeadroomError):
                 raise event
             collector.feed(event)
-        return web.json_response(present.body(collector))
+        return web.json_response(present.body([collector], len(job.prompt_ids)))
 
     async def _stream(self, request: web.Request, job: Job, collector: Collector,
                       present: Presenter) -> web.StreamResponse:
@@ -352,7 +352,7 @@ class Api:
             if chunk:
                 await response.write(chunk)
         assert response is not None
-        await response.write(present.tail(collector))
+        await response.write(present.tail([collector], len(job.prompt_ids)))
         return response
 
     def _drain(self, job: Job, collector: Collector, present: Presenter, event: TokenEvent) -> bytes:

@@ -146,20 +146,20 @@ class Presenter(Protocol):
     has something to say, and closes what it opened.
     """
 
-    def body(self, c: Collector) -> dict[str, Any]:
+    def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
         """The whole response of a request that does not stream."""
         ...
 
     def delta(self, c: Collector) -> bytes:
-        """What the collector has gathered since the last call."""
+        """What one choice gathered since the last call (and its end, once it finished)."""
         ...
 
     def keepalive(self) -> bytes:
         """Something to send while nothing happens, so a vanished client is noticed."""
         ...
 
-    def tail(self, c: Collector) -> bytes:
-        """The end of a stream that finished."""
+    def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
+        """The end of a stream whose choices all finished."""
         ...
 
     def error(self, exc: HeadroomError) -> bytes:
@@ -173,8 +173,8 @@ class ChatPresenter:
     def __init__(self, fmt: Formatter) -> None:
         self.fmt = fmt
 
-    def body(self, c: Collector) -> dict[str, Any]:
-        return self.fmt.full(c)
+    def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
+        return self.fmt.full(collectors[0])
 
     def delta(self, c: Collector) -> bytes:
         text = c.take_delta()
@@ -185,10 +185,10 @@ class ChatPresenter:
     def keepalive(self) -> bytes:
         return b": keepalive\n\n"
 
-    def tail(self, c: Collector) -> bytes:
-        tail = sse(self.fmt.final_chunk(c))
+    def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
+        tail = sse(self.fmt.final_chunk(collectors[0]))
         if self.fmt.include_usage:
-            tail += sse(self.fmt.usage_chunk(c))
+            tail += sse(self.fmt.usage_chunk(collectors[0]))
         return tail + b"data: [DONE]\n\n"
 
     def error(self, exc: HeadroomError) -> bytes:

@@ -152,7 +152,8 @@ class ResponsesPresenter:
         return (self._event("response.created", response=head)
                 + self._event("response.in_progress", response=head))
 
-    def body(self, c: Collector) -> dict[str, Any]:
+    def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
+        c = collectors[0]  # a Response has one output
         self._end(c)
         return self._final(c)
 
@@ -162,7 +163,8 @@ class ResponsesPresenter:
     def keepalive(self) -> bytes:
         return self._start() or KEEPALIVE
 
-    def tail(self, c: Collector) -> bytes:
+    def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
+        c = collectors[0]
         out = self._start() + self._end(c)
         final = self._final(c)
         return out + self._event(f"response.{final['status']}", response=final)

@@ -39,13 +39,15 @@ def router(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def claude(router: Router) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=60.0)
+def claude(router: Router) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=60.0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def oai(router: Router) -> openai.OpenAI:
-    return router.client(api_key=KEY)
+def oai(router: Router) -> Iterator[openai.OpenAI]:
+    with router.client(api_key=KEY) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +139,11 @@ def test_never_fits_is_an_anthropic_400_with_the_numbers(router: Router) -> None
 
 def test_x_api_key_and_bearer_auth(router: Router, claude: anthropic.Anthropic) -> None:
     hello = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    bearer = anthropic.Anthropic(base_url=router.url, auth_token=KEY, max_retries=0)
-    assert bearer.messages.create(**hello).usage.output_tokens >= 1  # type: ignore[arg-type]
+    with anthropic.Anthropic(base_url=router.url, auth_token=KEY, max_retries=0) as bearer:
+        assert bearer.messages.create(**hello).usage.output_tokens >= 1  # type: ignore[arg-type]
     assert claude.messages.create(**hello).usage.output_tokens >= 1  # type: ignore[arg-type]
-    wrong = anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError) as info:
+    with anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0) as wrong, \
+            pytest.raises(anthropic.AuthenticationError) as info:
         wrong.messages.create(**hello)  # type: ignore[arg-type]
     assert info.value.status_code == 401
     assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]

@@ -67,7 +67,7 @@ def test_stream_sequence_and_whole_message_agree() -> None:
     for ids, reason in (([72, 105], None), ([33], "length")):
         c.feed(TokenEvent(ids, reason))
         raw += p.delta(c)
-    raw += p.tail(c)
+    raw += p.tail([c], 7)
     seq = events(raw)
     assert [e["type"] for e in seq] == [
         "message_start", "ping", "ping", "content_block_start", "content_block_delta",
@@ -76,7 +76,7 @@ def test_stream_sequence_and_whole_message_agree() -> None:
     assert "".join(e["delta"]["text"] for e in seq if e["type"] == "content_block_delta") == "Hi!"
     assert seq[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert seq[-2]["usage"]["output_tokens"] == 3
-    whole = p.body(c)
+    whole = p.body([c], 7)
     assert whole["content"] == [{"type": "text", "text": "Hi!"}]
     assert whole["stop_reason"] == "max_tokens" and whole["usage"]["output_tokens"] == 3
 
@@ -86,14 +86,14 @@ def test_stream_sequence_and_whole_message_agree() -> None:
 def test_stop_reasons(stops: list[str], reason: str, sequence: str | None) -> None:
     c = collector(stops)
     c.feed(TokenEvent([72, 105, 33, 63], "stop"))
-    whole = MessagesPresenter("msg_1", "demo", 7).body(c)
+    whole = MessagesPresenter("msg_1", "demo", 7).body([c], 7)
     assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, sequence)
 
 
 def test_empty_output_still_has_one_text_block() -> None:
     c, p = collector(), MessagesPresenter("msg_1", "demo", 7)
     c.feed(TokenEvent([], "stop"))
-    seq = events(p.delta(c) + p.tail(c))
+    seq = events(p.delta(c) + p.tail([c], 7))
     assert [e["type"] for e in seq] == ["message_start", "ping", "content_block_start",
                                         "content_block_stop", "message_delta", "message_stop"]
 
@@ -114,7 +114,7 @@ def test_thinking_text_and_streamed_tool_calls_become_blocks() -> None:
     raw += p.feed({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "now", "arguments": "{}"}}]})
     c = collector()
     c.feed(TokenEvent([], "stop"))
-    seq = events(raw + p.tail(c))
+    seq = events(raw + p.tail([c], 7))
     starts = [e["content_block"] for e in seq if e["type"] == "content_block_start"]
     assert [b["type"] for b in starts] == ["thinking", "text", "tool_use", "tool_use"]
     assert starts[2] == {"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {}}
@@ -136,6 +136,6 @@ def test_whole_message_with_a_tool_call() -> None:
         "name": "f", "arguments": '{"a": 1}'}}]})
     c = collector()
     c.feed(TokenEvent([], "stop"))
-    whole = p.body(c)
+    whole = p.body([c], 7)
     assert whole["stop_reason"] == "tool_use"
     assert whole["content"] == [{"type": "tool_use", "id": "call_a", "name": "f", "input": {"a": 1}}]

@@ -26,7 +26,7 @@ def test_stream_sequence_and_whole_response_agree() -> None:
     for ids, reason in (([72, 105], None), ([33], "stop")):
         c.feed(TokenEvent(ids, reason))
         raw += p.delta(c)
-    seq = events(raw + p.tail(c))
+    seq = events(raw + p.tail([c], 7))
     assert [e["type"] for e in seq] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
@@ -36,7 +36,7 @@ def test_stream_sequence_and_whole_response_agree() -> None:
     assert seq[0]["response"]["status"] == "in_progress"
     assert "".join(e["delta"] for e in seq if e["type"] == "response.output_text.delta") == "Hi!"
     final = seq[-1]["response"]
-    assert final == p.body(c) and final["status"] == "completed"
+    assert final == p.body([c], 7) and final["status"] == "completed"
     assert final["output"][0]["content"][0]["text"] == "Hi!" and final["store"] is False
     assert final["usage"]["input_tokens"] == 7 and final["usage"]["output_tokens"] == 3
 
@@ -44,7 +44,7 @@ def test_stream_sequence_and_whole_response_agree() -> None:
 def test_max_output_tokens_is_incomplete() -> None:
     c, p = collector(), presenter()
     c.feed(TokenEvent([72], "length"))
-    seq = events(p.delta(c) + p.tail(c))
+    seq = events(p.delta(c) + p.tail([c], 7))
     assert seq[-1]["type"] == "response.incomplete"
     assert seq[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
@@ -65,7 +65,7 @@ def test_reasoning_text_and_streamed_function_calls_become_items() -> None:
         raw += p.feed({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
     c = collector()
     c.feed(TokenEvent([], "stop"))
-    seq = events(raw + p.tail(c))
+    seq = events(raw + p.tail([c], 7))
     added = [e["item"]["type"] for e in seq if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message", "function_call"]
     assert [e["type"] for e in seq if "delta" in e["type"]] == [
