@@ -25,9 +25,10 @@ from router.schema import Parsed, parse_chat
 log = logging.getLogger(__name__)
 
 MESSAGE_ROLES = frozenset({"user", "assistant"})
-THINKING_TYPES = frozenset({"enabled", "disabled", "adaptive", "between_tools"})
-# Replayed reasoning: the chat template re-renders none of it, so it is dropped.
-DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+# Replayed reasoning that only Anthropic's servers can read.
+DROPPED_BLOCKS = frozenset({"redacted_thinking"})
+# thinking.type -> the chat template switch most reasoning templates read (Qwen3's and others')
+ENABLE_THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 
 
 # -- request: Messages body -> chat-completions body -------------------------------------
@@ -59,6 +60,8 @@ def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
         if stops:
             chat["stop"] = stops
     _check_accepted(body)
+    if isinstance(body.get("thinking"), dict):
+        chat["chat_template_kwargs"] = {"enable_thinking": ENABLE_THINKING[body["thinking"]["type"]]}
     chat.update(tools_to_chat(body.get("tools"), body.get("tool_choice")))
     chat["response_format"] = _output_format(body.get("output_config"))
     return {k: v for k, v in chat.items() if v is not None}
@@ -70,8 +73,8 @@ def _check_accepted(body: dict[str, Any]) -> None:
         raise BadRequest("metadata must be an object", param="metadata")
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict)
-                                     and thinking.get("type") in THINKING_TYPES):
-        raise BadRequest(f"thinking.type must be one of {sorted(THINKING_TYPES)}",
+                                     and thinking.get("type") in ENABLE_THINKING):
+        raise BadRequest(f"thinking.type must be one of {sorted(ENABLE_THINKING)}",
                          param="thinking")
 
 
@@ -122,11 +125,14 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     parts: list[dict[str, str]] = []
     tool_calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    thinking: list[str] = []
     for j, block in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             parts.append(_text_part(block, where))
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])  # replayed: the template decides whether to show it
         elif kind == "tool_use" and role == "assistant":
             tool_calls.append(_tool_call(block, where))
         elif kind == "tool_result" and role == "user":
@@ -136,8 +142,10 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = results
     if tool_calls:
         out.append({"role": "assistant", "content": parts or None, "tool_calls": tool_calls})
-    elif parts or not results:
+    elif parts or thinking or not results:
         out.append({"role": role, "content": parts})
+    if thinking:
+        out[-1]["reasoning_content"] = "".join(thinking)
     return out
 
 

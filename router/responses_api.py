@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 
 INPUT_ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
-# Replayed reasoning: the chat template re-renders none of it, so it is dropped.
-DROPPED_ITEMS = frozenset({"reasoning"})
 # Fields that need state this server does not keep, and why the client should not send them.
 STATEFUL = {
     "previous_response_id": "this server stores no responses: send the whole conversation in input",
@@ -71,6 +69,7 @@ def input_to_messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise BadRequest("input must be a string or a non-empty list of items", param="input")
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # replayed reasoning, for the assistant turn that follows it
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -80,8 +79,16 @@ def input_to_messages(items: Any) -> list[dict[str, Any]]:
             _add_call(messages, item, param)
         elif kind == "function_call_output":
             messages.append(_call_output(item, param))
-        elif kind not in DROPPED_ITEMS:
+        elif kind == "reasoning":
+            # Only its text can be replayed (encrypted_content is OpenAI's); the template decides
+            reasoning += [p["text"] for p in item.get("content") or ()
+                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            continue
+        else:
             raise BadRequest(f"{param}: {kind!r} items are not supported", param=f"{param}.type")
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
     return messages
 
 

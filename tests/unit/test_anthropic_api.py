@@ -35,6 +35,7 @@ def test_text_request_becomes_the_same_chat_request() -> None:
                         thinking={"type": "disabled"}))
     assert chat == {"model": "claude-sonnet-4-5", "max_tokens": 16, "stream": True,
                     "temperature": 0.2, "top_p": 0.9, "top_k": 40, "stop": ["\n\n"],
+                    "chat_template_kwargs": {"enable_thinking": False},
                     "messages": [{"role": "system", "content": "Be brief."}, *USER]}
 
 
@@ -68,7 +69,8 @@ def test_tool_use_and_tool_result_become_tool_calls_and_tool_messages() -> None:
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
          "tool_calls": [{"id": "toolu_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+         "reasoning_content": "..."},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "-3C"},
         {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]},
     ]
@@ -143,3 +145,16 @@ def test_a_claude_code_request_translates_whole() -> None:
     assert calls == results == ["toolu_01A", "toolu_01B", "toolu_01C", "toolu_01D"]
     assert chat["messages"][3]["content"].startswith("Error: F\n")
     assert chat["max_tokens"] == 32000 and chat["stream"] is True
+
+
+def test_thinking_switches_the_template_and_replayed_thinking_is_reasoning() -> None:
+    assert to_chat(body(thinking={"type": "enabled", "budget_tokens": 2048}))[
+        "chat_template_kwargs"] == {"enable_thinking": True}
+    assert to_chat(body(thinking={"type": "disabled"}))["chat_template_kwargs"] == {
+        "enable_thinking": False}
+    assert "chat_template_kwargs" not in to_chat(body())
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Hm.", "signature": "s"},
+        {"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "Hi."}]}
+    assert to_chat(body(messages=[*USER, turn]))["messages"][-1] == {
+        "role": "assistant", "content": [{"type": "text", "text": "Hi."}], "reasoning_content": "Hm."}

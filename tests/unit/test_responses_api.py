@@ -129,3 +129,11 @@ def test_a_codex_request_translates_whole() -> None:
     assert chat["messages"][5]["content"][0]["text"].startswith("I'll add the flag")
     assert chat["messages"][5]["tool_calls"][0]["function"]["name"] == "apply_patch"
     assert chat["parallel_tool_calls"] is False and chat["stream"] is True
+
+
+def test_replayed_reasoning_text_goes_with_the_next_assistant_turn() -> None:
+    items = [{"role": "user", "content": "hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Think."}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    assert to_chat(body(input=items))["messages"][-1]["reasoning_content"] == "Think."
