@@ -28,6 +28,9 @@ MESSAGE_ROLES = frozenset({"user", "assistant"})
 # Replayed reasoning that only Anthropic's servers can read.
 DROPPED_BLOCKS = frozenset({"redacted_thinking"})
 # thinking.type -> the chat template switch most reasoning templates read (Qwen3's and others')
+# Between a turn's text blocks, as vLLM joins content parts: Claude Code sends a reminder and
+# the prompt as two blocks, which glued together would read as one run-on line.
+BLOCK_SEPARATOR = "\n"
 ENABLE_THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 
 
@@ -98,17 +101,17 @@ def _system(system: Any) -> list[dict[str, Any]]:
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
     if isinstance(system, list):
-        return [{"role": "system", "content": [_text_part(b, f"system[{j}]")
-                                                for j, b in enumerate(system)]}]
+        return [{"role": "system", "content": BLOCK_SEPARATOR.join(
+            _text(b, f"system[{j}]") for j, b in enumerate(system))}]
     raise BadRequest("system must be a string or a list of text blocks", param="system")
 
 
-def _text_part(block: Any, param: str) -> dict[str, str]:
-    """A text block (cache_control and citations dropped) as a chat text part."""
+def _text(block: Any, param: str) -> str:
+    """A text block's text (cache_control and citations dropped)."""
     if not (isinstance(block, dict) and block.get("type") == "text"
             and isinstance(block.get("text"), str)):
         raise BadRequest(f"{param} must be a text block", param=param)
-    return {"type": "text", "text": block["text"]}
+    return str(block["text"])
 
 
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
@@ -122,7 +125,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise BadRequest(f"{param}.content must be a string or a list of blocks",
                          param=f"{param}.content")
-    parts: list[dict[str, str]] = []
+    parts: list[str] = []
     tool_calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     thinking: list[str] = []
@@ -130,7 +133,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         where = f"{param}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append(_text_part(block, where))
+            parts.append(_text(block, where))
         elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
             thinking.append(block["thinking"])  # replayed: the template decides whether to show it
         elif kind == "tool_use" and role == "assistant":
@@ -141,9 +144,10 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
             raise BadRequest(f"{where}: {kind!r} blocks are not supported here", param=where)
     out: list[dict[str, Any]] = results
     if tool_calls:
-        out.append({"role": "assistant", "content": parts or None, "tool_calls": tool_calls})
+        out.append({"role": "assistant", "content": BLOCK_SEPARATOR.join(parts) or None,
+                    "tool_calls": tool_calls})
     elif parts or thinking or not results:
-        out.append({"role": role, "content": parts})
+        out.append({"role": role, "content": BLOCK_SEPARATOR.join(parts)})
     if thinking:
         out[-1]["reasoning_content"] = "".join(thinking)
     return out
@@ -165,7 +169,7 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     elif isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        text = "".join(_text_part(b, f"{param}.content[{k}]")["text"] for k, b in enumerate(content))
+        text = BLOCK_SEPARATOR.join(_text(b, f"{param}.content[{k}]") for k, b in enumerate(content))
     else:
         raise BadRequest(f"{param}.content must be a string or a list of text blocks", param=param)
     if block.get("is_error"):
