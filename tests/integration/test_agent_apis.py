@@ -25,9 +25,9 @@ KEY = "sk-test-key"
 GREEDY = {"temperature": 0}
 SYSTEM_BLOCKS = [{"type": "text", "text": "You are a terse assistant.",
                   "cache_control": {"type": "ephemeral"}},
-                 {"type": "text", "text": " Answer in one line."}]
+                 {"type": "text", "text": "Answer in one line."}]
 QUESTION = "Name three colours."
-CHAT_MESSAGES = [{"role": "system", "content": "You are a terse assistant. Answer in one line."},
+CHAT_MESSAGES = [{"role": "system", "content": "You are a terse assistant.\nAnswer in one line."},
                  {"role": "user", "content": QUESTION}]
 
 
