@@ -65,6 +65,7 @@ class RouterConfig:
     queue_timeout_s: float = opt(
         300.0, "Seconds a request may wait in the queue before a 503.", flag="queue-timeout")
     default_max_tokens: int = opt(512, "max_tokens when a request gives none.")
+    max_n: int = opt(8, "Most answers (n) one request may ask for; each is a row in the batch.")
     drain_timeout_s: float = opt(
         30.0, "On SIGTERM, seconds to let in-flight requests finish.", flag="drain-timeout")
     max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
@@ -97,6 +98,8 @@ class RouterConfig:
             raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
         if self.default_max_tokens <= 0:
             raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
+        if self.max_n < 1:
+            raise ConfigError(f"--max-n must be >= 1, got {self.max_n}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.worker_mode not in ("spawn", "external"):

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -24,8 +25,9 @@ from common.errors import (
 from router import admission
 from common.protocol import Hello
 from router.dispatch import Dispatcher
-from router.job import Job, JobState, TokenEvent
+from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
 from router.output import Collector, Formatter
+from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
@@ -89,12 +91,13 @@ class Api:
     """The OpenAI-compatible endpoints."""
 
     def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
-                 default_max_tokens: int, queue_timeout_s: float, api_key: str | None,
+                 default_max_tokens: int, max_n: int, queue_timeout_s: float, api_key: str | None,
                  is_draining: Callable[[], bool]) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
+        self.max_n = max_n
         self.queue_timeout_s = queue_timeout_s
         self.api_key = api_key
         self.is_draining = is_draining
@@ -122,7 +125,7 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, "chat")
 
-    async def _serve(self, request: web.Request, parse: Callable[[Any, int], Parsed],
+    async def _serve(self, request: web.Request, parse: Callable[[Any, int, int], Parsed],
                      endpoint: str) -> web.StreamResponse:
         arrived = time.monotonic()
         status = 500
@@ -130,9 +133,9 @@ class Api:
             self.check_auth(request)
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
-            parsed = parse(await self._json(request), self.default_max_tokens)
-            job = await self._admit(parsed, arrived)
-            response = await self._run(request, parsed, job)
+            parsed = parse(await self._json(request), self.default_max_tokens, self.max_n)
+            rows = await self._admit(parsed, arrived)
+            response = await self._run(request, parsed, rows)
             status = response.status
             return response
         except HeadroomError as exc:
@@ -190,58 +193,80 @@ class Api:
             tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
         return tokenizer, link
 
-    async def _admit(self, parsed: Parsed, arrived: float) -> Job:
+    async def _admit(self, parsed: Parsed, arrived: float) -> Rows:
+        """Tokenize, refuse what can never fit, and queue one job per choice (one row each)."""
         deadline = arrived + self.queue_timeout_s
         tokenizer, link = await self._tokenizer_for(deadline)
         # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
         error = admission.check_max_tokens_only(link.model, link.hello.admission,
                                                 parsed.sampling.max_tokens)
-        if error is None:
-            ids = await self._tokenize(tokenizer, parsed)
-            error = admission.check_ever(link.model, link.hello.admission, len(ids),
-                                         parsed.sampling.max_tokens)
         if error is not None:
             raise error
-        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        job = Job(request_id=prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
-                  deadline=deadline, enqueued_at=time.monotonic())
-        self.dispatcher.submit(job)
-        self.metrics.prompt_tokens.inc(len(ids))
-        return job
+        check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
+        prompts = await self._tokenize(tokenizer, parsed)
+        for ids in prompts:
+            error = admission.check_ever(link.model, link.hello.admission, len(ids),
+                                         parsed.sampling.max_tokens)
+            if error is not None:
+                raise error
+        base = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        rows = Rows(base, prompt_tokens=sum(len(ids) for ids in prompts))
+        now = time.monotonic()
+        for index in range(parsed.num_choices):
+            request_id = base if parsed.num_choices == 1 else f"{base}-{index}"
+            rows.jobs.append(Job(request_id=request_id, prompt_ids=prompts[index // parsed.n],
+                                 sampling=row_sampling(parsed.sampling, index), deadline=deadline,
+                                 enqueued_at=now, events=ChoiceEvents(rows.events, index)))
+        try:
+            for job in rows.jobs:
+                self.dispatcher.submit(job)
+        except HeadroomError:
+            for job in rows.jobs:
+                self.dispatcher.cancel(job)
+            raise
+        self.metrics.prompt_tokens.inc(rows.prompt_tokens)
+        return rows
 
-    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> list[int]:
-        if parsed.prompt_ids is not None:
-            if min(parsed.prompt_ids) < 0 or max(parsed.prompt_ids) >= tokenizer.vocab_size:
-                raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-            return parsed.prompt_ids
-        small = (len(parsed.prompt_text) if parsed.messages is None else
-                 sum(len(str(m.get("content") or "")) for m in parsed.messages)) <= INLINE_TOKENIZE_CHARS
-        if small:  # cheaper here than the two thread wakeups of a pool hop
-            if parsed.messages is not None:
-                return tokenizer.encode_chat(parsed.messages)
-            return tokenizer.encode(parsed.prompt_text)
-        loop = asyncio.get_running_loop()
+    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> list[list[int]]:
         if parsed.messages is not None:
-            return await loop.run_in_executor(self.pool, tokenizer.encode_chat, parsed.messages)
-        return await loop.run_in_executor(self.pool, tokenizer.encode, parsed.prompt_text)
+            return [await self._encode(tokenizer.encode_chat, parsed.messages,
+                                       sum(len(str(m.get("content") or "")) for m in parsed.messages))]
+        assert parsed.prompts is not None
+        out = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                out.append(await self._encode(tokenizer.encode, prompt, len(prompt)))
+            elif min(prompt) < 0 or max(prompt) >= tokenizer.vocab_size:
+                raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+            else:
+                out.append(prompt)
+        return out
 
-    async def _run(self, request: web.Request, parsed: Parsed, job: Job) -> web.StreamResponse:
+    async def _encode(self, encode: Callable[[Any], list[int]], what: Any, num_chars: int) -> list[int]:
+        if num_chars <= INLINE_TOKENIZE_CHARS:  # cheaper here than the two thread wakeups of a pool hop
+            return encode(what)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, encode, what)
+
+    async def _run(self, request: web.Request, parsed: Parsed, rows: Rows) -> web.StreamResponse:
         assert self._tokenizer is not None
-        collector = Collector(self._tokenizer.make_detokenizer(), parsed.stop, len(job.prompt_ids))
-        fmt = Formatter(parsed, job.request_id, self.model_id)
+        tok = self._tokenizer
+        collectors = [Collector(tok.make_detokenizer(), parsed.stop, len(job.prompt_ids), i)
+                      for i, job in enumerate(rows.jobs)]
+        fmt = Formatter(parsed, rows.request_id, self.model_id, tok.token_bytes)
         self.num_in_flight += 1
         try:
             if parsed.stream:
-                return await self._stream(request, job, collector, fmt, parsed.include_usage)
-            return await self._collect(job, collector, fmt)
+                return await self._stream(request, rows, collectors, fmt)
+            return await self._collect(rows, collectors, fmt)
         finally:
             self.num_in_flight -= 1
-            client_left = job.state is not JobState.DONE
-            self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
-            self._observe(job, collector, client_left)
+            for job, collector in zip(rows.jobs, collectors):
+                client_left = job.state is not JobState.DONE
+                self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
+                self._observe(job, collector, client_left)
 
     def _observe(self, job: Job, collector: Collector, client_left: bool) -> None:
-        """Metrics, and the one INFO line per request (no prompt text at INFO)."""
+        """Metrics, and the one INFO line per row (no prompt text at INFO)."""
         now = time.monotonic()
         queued_s = (job.dispatched_at or now) - job.enqueued_at
         ttft_s = (job.first_token_at - job.enqueued_at) if job.first_token_at else None
@@ -256,21 +281,27 @@ class Api:
                  collector.completion_tokens, queued_s,
                  f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
 
-    async def _collect(self, job: Job, collector: Collector, fmt: Formatter) -> web.Response:
-        while not collector.finished:
-            event = await job.events.get()
+    def _feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
+        c = collectors[index]
+        c.feed(event)
+        if c.finished:  # a stop string may end a choice while its row still runs
+            self.dispatcher.cancel(rows.jobs[index])
+
+    async def _collect(self, rows: Rows, collectors: list[Collector], fmt: Formatter) -> web.Response:
+        while not all(c.finished for c in collectors):
+            index, event = await rows.events.get()
             if isinstance(event, HeadroomError):
                 raise event
-            collector.feed(event)
-        return web.json_response(fmt.full(collector))
+            self._feed(rows, collectors, index, event)
+        return web.json_response(fmt.full(collectors, rows.prompt_tokens))
 
-    async def _stream(self, request: web.Request, job: Job, collector: Collector, fmt: Formatter,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rows: Rows, collectors: list[Collector],
+                      fmt: Formatter) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        while not collector.finished:
+        while not all(c.finished for c in collectors):
             try:
                 async with asyncio.timeout(KEEPALIVE_S):
-                    event = await job.events.get()
+                    index, event = await rows.events.get()
             except TimeoutError:
                 response = response or await self._start_stream(request)
                 await response.write(b": keepalive\n\n")
@@ -281,31 +312,48 @@ class Api:
                 await response.write(sse(event.to_body(), event="error") + b"data: [DONE]\n\n")
                 return response
             response = response or await self._start_stream(request)
-            chunk = self._drain(job, collector, fmt, event)
-            if chunk is not None:
+            chunk = self._drain(rows, collectors, fmt, index, event)
+            if chunk:
                 await response.write(chunk)
         assert response is not None
-        tail = sse(fmt.final_chunk(collector))
-        if include_usage:
-            tail += sse(fmt.usage_chunk(collector))
+        tail = b""
+        if fmt.include_usage:
+            tail += sse(fmt.usage_chunk(collectors, rows.prompt_tokens))
         await response.write(tail + b"data: [DONE]\n\n")
         return response
 
-    def _drain(self, job: Job, collector: Collector, fmt: Formatter, event: TokenEvent) -> bytes | None:
+    def _drain(self, rows: Rows, collectors: list[Collector], fmt: Formatter, index: int,
+               event: TokenEvent) -> bytes:
         """Feed this event and any already waiting, and return one SSE write for them."""
-        collector.feed(event)
-        while not collector.finished and not job.events.empty():
-            more = job.events.get_nowait()
+        touched = {index: None}
+        self._feed(rows, collectors, index, event)
+        while not rows.events.empty():
+            more_index, more = rows.events.get_nowait()
             if isinstance(more, HeadroomError):
-                job.events.put_nowait(more)  # keep it for the loop: flush the text first
+                rows.events.put_nowait((more_index, more))  # keep it for the loop: flush the text first
                 break
-            collector.feed(more)
-        delta = collector.take_delta()
-        if not delta and not fmt.needs_first_chunk():
-            return None
-        return sse(fmt.chunk(delta))
+            touched[more_index] = None
+            self._feed(rows, collectors, more_index, more)
+        out = b""
+        for i in touched:
+            c = collectors[i]
+            offset = len(c.text)
+            delta, logprobs = c.take_delta()
+            if delta or logprobs or fmt.needs_first_chunk(i):
+                out += sse(fmt.chunk(i, delta, logprobs, offset - len(delta)))
+            if c.finished:
+                out += sse(fmt.final_chunk(c))
+        return out
 
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
         return response
+
+
+def row_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request: a seeded request gives each choice its own seed."""
+    seed = sampling.params.seed
+    if index == 0 or seed is None:
+        return sampling
+    return replace(sampling, params=replace(sampling.params, seed=(seed + index) % 2**64))

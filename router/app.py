@@ -56,7 +56,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     spawn = SpawnSpec(worker_argv(cfg, addr), dict(env)) if cfg.worker_mode == "spawn" else None
     supervisor = Supervisor(dispatcher, spawn, metrics)
     api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,
-              default_max_tokens=cfg.default_max_tokens, queue_timeout_s=cfg.queue_timeout_s,
+              default_max_tokens=cfg.default_max_tokens, max_n=cfg.max_n,
+              queue_timeout_s=cfg.queue_timeout_s,
               api_key=cfg.api_key, is_draining=lambda: state.draining)
     dispatcher.hello_listeners.append(api.preload_tokenizer)
     views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,

@@ -158,9 +158,7 @@ class Dispatcher:
         self.metrics.dispatched.inc()
         s = job.sampling
         self._send(Generate(incarnation=link.incarnation, request_id=job.request_id,
-                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens,
-                            temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                            ignore_eos=s.ignore_eos))
+                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens, sampling=s.params))
 
     def _send(self, msg: Any) -> None:
         link = self.link
@@ -312,10 +310,11 @@ class Dispatcher:
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         now = self.clock()
         for row in msg.outputs:
-            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)):
+            if not (isinstance(row, list) and len(row) in (3, 4) and isinstance(row[0], str)):
                 self._count_bad("bad tokens row")
                 continue
-            request_id, ids, finish = row
+            request_id, ids, finish = row[:3]
+            logprobs = row[3] if len(row) == 4 and isinstance(row[3], list) else None
             job = link.in_flight.get(request_id)
             if job is None:
                 continue  # cancelled here already
@@ -334,8 +333,8 @@ class Dispatcher:
             if finish is not None:
                 del link.in_flight[request_id]
                 job.state = JobState.DONE
-            job.events.put_nowait(TokenEvent(ids, finish))
-        self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs if len(r) == 3))
+            job.events.put_nowait(TokenEvent(ids, finish, logprobs))
+        self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs if len(r) in (3, 4)))
 
     def _on_reject(self, link: WorkerLink, msg: Reject) -> None:
         job = link.in_flight.pop(msg.request_id, None)

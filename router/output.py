@@ -1,8 +1,14 @@
-"""From token events to OpenAI responses: detokenize, apply stop strings, count, format."""
+"""From token events to OpenAI responses: detokenize, apply stop strings, count, format.
+
+One ``Collector`` per choice (each choice is one row in the worker's batch); one
+``Formatter`` per request builds the chat or text completion shapes, streamed and not,
+with logprobs in OpenAI's shapes when the request asked for them.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from router.job import TokenEvent
@@ -10,11 +16,16 @@ from router.schema import Parsed
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
 
+# A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
+LogprobRow = list[Any]
+
 
 class Collector:
-    """Text and usage of one request as its tokens arrive."""
+    """Text, logprobs and usage of one choice as its tokens arrive."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int,
+                 index: int = 0) -> None:
+        self.index = index
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stops) if stops else None
         self.prompt_tokens = prompt_tokens
@@ -23,11 +34,19 @@ class Collector:
         self.finish_reason: str | None = None
         self.parts: list[str] = []
         self._delta: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[LogprobRow] = []
+        self._delta_logprobs: list[tuple[int, LogprobRow]] = []
 
     def feed(self, event: TokenEvent) -> None:
         if self.finished:
             return
         self.completion_tokens += len(event.token_ids)
+        if event.logprobs is not None:
+            for token, row in zip(event.token_ids, event.logprobs):
+                self.token_ids.append(token)
+                self.logprobs.append(row)
+                self._delta_logprobs.append((token, row))
         text = self.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
             text += self.detokenizer.flush()
@@ -46,30 +65,45 @@ class Collector:
             self.finished = True
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
 
-    def take_delta(self) -> str:
+    def take_delta(self) -> tuple[str, list[tuple[int, LogprobRow]]]:
         delta = "".join(self._delta)
         self._delta.clear()
-        return delta
+        logprobs, self._delta_logprobs = self._delta_logprobs, []
+        return delta, logprobs
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+def token_text(raw: bytes) -> str:
+    """A token as text; a piece of a character is spelled ``bytes:\\xe2\\x80`` as OpenAI does,
+    so distinct byte tokens stay distinct keys in the legacy ``top_logprobs`` dicts."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def usage(collectors: list[Collector], prompt_tokens: int) -> dict[str, int]:
+    completion = sum(c.completion_tokens for c in collectors)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
 
 
 class Formatter:
     """The OpenAI shapes for chat and text completions, streamed and not."""
 
-    def __init__(self, parsed: Parsed, request_id: str, model_id: str) -> None:
+    def __init__(self, parsed: Parsed, request_id: str, model_id: str,
+                 token_bytes: Callable[[int], bytes]) -> None:
         self.chat = parsed.kind == "chat"
         self.include_usage = parsed.include_usage
+        self.wants_logprobs = parsed.sampling.params.num_logprobs is not None
         self.request_id = request_id
         self.model_id = model_id
+        self.token_bytes = token_bytes
         self.created = int(time.time())
-        self._role_sent = False
+        self._role_sent: set[int] = set()
 
     def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -79,39 +113,76 @@ class Formatter:
             body["usage"] = None
         return body
 
-    def chunk(self, delta: str) -> dict[str, Any]:
+    def chunk(self, index: int, delta: str, logprobs: list[tuple[int, LogprobRow]],
+              text_offset: int = 0) -> dict[str, Any]:
+        lp = self._logprobs(logprobs, text_offset) if self.wants_logprobs else None
         if not self.chat:
-            return self._envelope([{"index": 0, "text": delta, "logprobs": None,
+            return self._envelope([{"index": index, "text": delta, "logprobs": lp,
                                     "finish_reason": None}], chunk=True)
         body: dict[str, Any] = {"content": delta}
-        if not self._role_sent:
+        if index not in self._role_sent:
             body["role"] = "assistant"
-            self._role_sent = True
-        return self._envelope([{"index": 0, "delta": body, "logprobs": None,
+            self._role_sent.add(index)
+        return self._envelope([{"index": index, "delta": body, "logprobs": lp,
                                 "finish_reason": None}], chunk=True)
 
-    def needs_first_chunk(self) -> bool:
-        return self.chat and not self._role_sent
+    def needs_first_chunk(self, index: int) -> bool:
+        return self.chat and index not in self._role_sent
 
     def final_chunk(self, c: Collector) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+            choice: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None,
                                       "finish_reason": c.finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
+            choice = {"index": c.index, "text": "", "logprobs": None,
+                      "finish_reason": c.finish_reason}
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, c: Collector) -> dict[str, Any]:
+    def usage_chunk(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
         body = self._envelope([], chunk=True)
-        body["usage"] = c.usage()
+        body["usage"] = usage(collectors, prompt_tokens)
         return body
 
-    def full(self, c: Collector) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                                      "logprobs": None, "finish_reason": c.finish_reason}
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        body = self._envelope([choice], chunk=False)
-        body["usage"] = c.usage()
+    def full(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
+        choices = []
+        for c in collectors:
+            lp = self._logprobs(list(zip(c.token_ids, c.logprobs)), 0) if self.wants_logprobs else None
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = usage(collectors, prompt_tokens)
         return body
+
+    def _logprobs(self, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_entry(token, row) for token, row in rows], "refusal": None}
+        return self._completion_logprobs(rows, text_offset)
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self.token_bytes(token)
+        return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+    def _chat_entry(self, token: int, row: LogprobRow) -> dict[str, Any]:
+        logprob, top_ids, top_lps = row
+        entry = self._entry(token, logprob)
+        entry["top_logprobs"] = [self._entry(t, v) for t, v in zip(top_ids, top_lps)]
+        return entry
+
+    def _completion_logprobs(self, rows: list[tuple[int, LogprobRow]], offset: int) -> dict[str, Any]:
+        """Legacy shape: the top dict holds the k most likely and always the sampled token."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token, (logprob, top_ids, top_lps) in rows:
+            text = self._entry(token, logprob)["token"]
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top = {self._entry(t, v)["token"]: v for t, v in zip(top_ids, top_lps)}
+            top.setdefault(text, logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}

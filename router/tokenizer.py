@@ -214,6 +214,15 @@ class RouterTokenizer:
         """Text of ids, without special tokens; the detokenizers' deltas add up to this."""
         return self._backend.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a piece of a character for byte tokens), for logprobs."""
+        if self._byte_table is not None and token_id in self._byte_table:
+            return self._byte_table[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None and _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return self._backend.decode([token_id], skip_special_tokens=False).encode()
+
     def make_detokenizer(self) -> IncrementalDetokenizer:
         """A fresh detokenizer for one stream."""
         if self._byte_table is not None:

@@ -214,8 +214,7 @@ class WorkerServer:
             self.send(reject)
             return
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                        temperature=msg.temperature, top_p=msg.top_p, seed=msg.seed,
-                        ignore_eos=msg.ignore_eos)
+                        sampling=msg.sampling)
         self._changed = True
         log.debug("admitted %s: %d prompt tokens, max_tokens %d",
                   msg.request_id, len(msg.prompt_ids), msg.max_tokens)
@@ -229,7 +228,8 @@ class WorkerServer:
         n, vocab = len(msg.prompt_ids), self.opts.vocab_size
         if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running:
             return reject(RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
-        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab:
+        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
+                or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
             return reject(RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
         if n + msg.max_tokens > self.memory.model.context_length:
             return reject(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
@@ -431,7 +431,8 @@ class WorkerServer:
         self.publish_status(force=True)
 
     def send_outputs(self, outputs: list[Output]) -> None:
-        rows = [[o.request_id, o.token_ids, o.finish_reason] for o in outputs]
+        rows = [[o.request_id, o.token_ids, o.finish_reason]
+                + ([o.logprobs] if o.logprobs is not None else []) for o in outputs]
         self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows))
 
     def publish_status(self, force: bool = False) -> None:

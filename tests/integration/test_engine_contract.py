@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from mlx_lm.generate import BatchGenerator
 
+from common.protocol import SamplingParams
 from worker.engine import Engine
 from worker.loader import load_model
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def test_generator_signature_we_call() -> None:
     for name in ("stop_tokens", "completion_batch_size", "prefill_batch_size", "prefill_step_size"):
         assert name in params, name
     insert = inspect.signature(BatchGenerator.insert).parameters
-    for name in ("prompts", "max_tokens", "samplers", "stop_sequences"):
+    for name in ("prompts", "max_tokens", "samplers", "logits_processors", "stop_sequences"):
         assert name in insert, name
     assert "uids" in inspect.signature(BatchGenerator.remove).parameters
 
@@ -44,8 +47,7 @@ def test_private_attributes_we_read_and_write(engine: Engine) -> None:
 
 def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
     engine.set_prefill_step(16)
-    engine.add("chunked", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)
+    engine.add("chunked", list(range(3, 103)), max_tokens=2, sampling=GREEDY)
     before = engine.num_prefilled_tokens()
     engine.step()
     assert engine.num_prefilled_tokens() - before == 16  # one chunk of the new size
@@ -59,10 +61,9 @@ def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
 def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:
     assert engine.longest_prefill_left() == 0
     engine.set_prefill_step(16)
-    engine.add("long", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)  # 100 tokens: 99 to prefill, the last fed when decoding
-    engine.add("short", list(range(3, 13)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)
+    # 100 tokens: 99 to prefill, the last fed when decoding
+    engine.add("long", list(range(3, 103)), max_tokens=2, sampling=GREEDY)
+    engine.add("short", list(range(3, 13)), max_tokens=2, sampling=GREEDY)
     assert engine.longest_prefill_left() == 99  # waiting rows count whole
     engine.step()
     assert engine.longest_prefill_left() == 99 - 16  # the short one is done with its 9
@@ -75,8 +76,8 @@ def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:
 
 def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
     engine.set_prefill_step(64)
-    engine.add("keep", [5] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
-    engine.add("drop", [6] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    engine.add("keep", [5] * 10, max_tokens=50, sampling=GREEDY)
+    engine.add("drop", [6] * 10, max_tokens=50, sampling=GREEDY)
     for _ in range(4):
         engine.step()
     uid = engine.running["drop"].uid
@@ -92,7 +93,7 @@ def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
 
 
 def test_finished_requests_leave_nothing_behind(engine: Engine) -> None:
-    engine.add("short", [7] * 8, max_tokens=3, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    engine.add("short", [7] * 8, max_tokens=3, sampling=GREEDY)
     finished = []
     while engine.has_work:
         finished += [o for o in engine.step() if o.finish_reason]
