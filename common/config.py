@@ -25,6 +25,8 @@ __all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt",
            "permanent_exit"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Tool-call families router/tools.py parses (kept here: common never imports the router).
+TOOL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony")
 OOM_GUARDS = ("abort", "raise", "off")
 SERVICE_MANAGERS = ("none", "launchd", "systemd")
 
@@ -66,6 +68,9 @@ class RouterConfig:
         300.0, "Seconds a request may wait in the queue before a 503.", flag="queue-timeout")
     default_max_tokens: int = opt(512, "max_tokens when a request gives none.")
     max_n: int = opt(8, "Most answers (n) one request may ask for; each is a row in the batch.")
+    tool_parser: str = opt(
+        "auto", "Tool-call format of the model: auto (from the chat template's markers), none, "
+        "or one of " + ", ".join(TOOL_PARSERS[2:]) + ".", choices=TOOL_PARSERS)
     drain_timeout_s: float = opt(
         30.0, "On SIGTERM, seconds to let in-flight requests finish.", flag="drain-timeout")
     max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
@@ -98,6 +103,8 @@ class RouterConfig:
             raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
         if self.default_max_tokens <= 0:
             raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-parser must be one of {TOOL_PARSERS}, got {self.tool_parser!r}")
         if self.max_n < 1:
             raise ConfigError(f"--max-n must be >= 1, got {self.max_n}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN

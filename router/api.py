@@ -27,6 +27,7 @@ from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
 from router.output import Collector, Formatter
+from router.plan import plan_output, template_tools
 from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
@@ -91,13 +92,14 @@ class Api:
     """The OpenAI-compatible endpoints."""
 
     def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
-                 default_max_tokens: int, max_n: int, queue_timeout_s: float, api_key: str | None,
+                 default_max_tokens: int, max_n: int, tool_parser: str, queue_timeout_s: float, api_key: str | None,
                  is_draining: Callable[[], bool]) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
+        self.tool_parser = tool_parser
         self.queue_timeout_s = queue_timeout_s
         self.api_key = api_key
         self.is_draining = is_draining
@@ -203,19 +205,23 @@ class Api:
         if error is not None:
             raise error
         check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
-        prompts = await self._tokenize(tokenizer, parsed)
+        prompts, prompt_text = await self._tokenize(tokenizer, parsed)
+        plan = plan_output(parsed, tokenizer, self.tool_parser, prompt_text)
+        sampling = parsed.sampling
+        if plan.grammar is not None:
+            sampling = replace(sampling, params=replace(sampling.params, grammar=plan.grammar))
         for ids in prompts:
             error = admission.check_ever(link.model, link.hello.admission, len(ids),
                                          parsed.sampling.max_tokens)
             if error is not None:
                 raise error
         base = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        rows = Rows(base, prompt_tokens=sum(len(ids) for ids in prompts))
+        rows = Rows(base, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan)
         now = time.monotonic()
         for index in range(parsed.num_choices):
             request_id = base if parsed.num_choices == 1 else f"{base}-{index}"
             rows.jobs.append(Job(request_id=request_id, prompt_ids=prompts[index // parsed.n],
-                                 sampling=row_sampling(parsed.sampling, index), deadline=deadline,
+                                 sampling=row_sampling(sampling, index), deadline=deadline,
                                  enqueued_at=now, events=ChoiceEvents(rows.events, index)))
         try:
             for job in rows.jobs:
@@ -227,10 +233,19 @@ class Api:
         self.metrics.prompt_tokens.inc(rows.prompt_tokens)
         return rows
 
-    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> list[list[int]]:
+    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> tuple[list[list[int]], str]:
+        """Each prompt's ids, and a chat's rendered text (for the output plan)."""
         if parsed.messages is not None:
-            return [await self._encode(tokenizer.encode_chat, parsed.messages,
-                                       sum(len(str(m.get("content") or "")) for m in parsed.messages))]
+            tools = template_tools(parsed)
+            num_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
+            num_chars += len(json.dumps(tools)) if tools else 0
+
+            def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+                text = tokenizer.render_chat(messages, tools, **parsed.template_kwargs)
+                return tokenizer.encode_rendered(text), text
+
+            ids, text = await self._encode(render_and_encode, parsed.messages, num_chars)
+            return [ids], text
         assert parsed.prompts is not None
         out = []
         for prompt in parsed.prompts:
@@ -240,9 +255,9 @@ class Api:
                 raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
             else:
                 out.append(prompt)
-        return out
+        return out, ""
 
-    async def _encode(self, encode: Callable[[Any], list[int]], what: Any, num_chars: int) -> list[int]:
+    async def _encode(self, encode: Callable[[Any], Any], what: Any, num_chars: int) -> Any:
         if num_chars <= INLINE_TOKENIZE_CHARS:  # cheaper here than the two thread wakeups of a pool hop
             return encode(what)
         return await asyncio.get_running_loop().run_in_executor(self.pool, encode, what)
@@ -250,7 +265,10 @@ class Api:
     async def _run(self, request: web.Request, parsed: Parsed, rows: Rows) -> web.StreamResponse:
         assert self._tokenizer is not None
         tok = self._tokenizer
-        collectors = [Collector(tok.make_detokenizer(), parsed.stop, len(job.prompt_ids), i)
+        plan = rows.plan
+        collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
+                                len(job.prompt_ids), i, plan.parser(),
+                                inline_reasoning=not parsed.separate_reasoning)
                       for i, job in enumerate(rows.jobs)]
         fmt = Formatter(parsed, rows.request_id, self.model_id, tok.token_bytes)
         self.num_in_flight += 1
@@ -337,10 +355,9 @@ class Api:
         out = b""
         for i in touched:
             c = collectors[i]
-            offset = len(c.text)
             delta, logprobs = c.take_delta()
-            if delta or logprobs or fmt.needs_first_chunk(i):
-                out += sse(fmt.chunk(i, delta, logprobs, offset - len(delta)))
+            for chunk in fmt.chunks(c, delta, logprobs, len(c.text) - len(delta.content)):
+                out += sse(chunk)
             if c.finished:
                 out += sse(fmt.final_chunk(c))
         return out

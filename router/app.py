@@ -57,6 +57,7 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     supervisor = Supervisor(dispatcher, spawn, metrics)
     api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,
               default_max_tokens=cfg.default_max_tokens, max_n=cfg.max_n,
+              tool_parser=cfg.tool_parser,
               queue_timeout_s=cfg.queue_timeout_s,
               api_key=cfg.api_key, is_draining=lambda: state.draining)
     dispatcher.hello_listeners.append(api.preload_tokenizer)

@@ -57,6 +57,7 @@ class Rows:
 
     request_id: str
     prompt_tokens: int
+    plan: Any = None                      # router.plan.OutputPlan: how to read the output back
     jobs: list[Job] = field(default_factory=list)
     events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
 

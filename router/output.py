@@ -11,21 +11,33 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from router.harmony import HarmonyParser
 from router.job import TokenEvent
 from router.schema import Parsed
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
+from router.tools import Delta, OutputParser, ToolCall
 
 # A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
 LogprobRow = list[Any]
 
 
 class Collector:
-    """Text, logprobs and usage of one choice as its tokens arrive."""
+    """Text, reasoning, tool calls, logprobs and usage of one choice as its tokens arrive.
+
+    With a ``parser`` the text is split into content, reasoning and tool calls; with
+    ``inline_reasoning`` the reasoning stays in the content, where the model wrote it.
+    """
 
     def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int,
-                 index: int = 0) -> None:
+                 index: int = 0, parser: OutputParser | HarmonyParser | None = None,
+                 inline_reasoning: bool = False) -> None:
         self.index = index
+        self.parser = parser
+        self.inline_reasoning = inline_reasoning
+        self.reasoning_parts: list[str] = []
+        self.calls: list[ToolCall] = []
+        self._delta_parsed = Delta()
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stops) if stops else None
         self.prompt_tokens = prompt_tokens
@@ -33,7 +45,6 @@ class Collector:
         self.finished = False
         self.finish_reason: str | None = None
         self.parts: list[str] = []
-        self._delta: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[LogprobRow] = []
         self._delta_logprobs: list[tuple[int, LogprobRow]] = []
@@ -56,24 +67,46 @@ class Collector:
             if event.finish_reason is not None and not stopped:
                 text += self.stops.flush()
                 stopped = self.stops.is_stopped
-        if text:
-            self.parts.append(text)
-            self._delta.append(text)
+        ending = stopped or event.finish_reason is not None
+        self._add(self._split(text, ending))
         if stopped:
             self.finished, self.finish_reason = True, "stop"
         elif event.finish_reason is not None:
             self.finished = True
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
+        if self.finished and self.calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
 
-    def take_delta(self) -> tuple[str, list[tuple[int, LogprobRow]]]:
-        delta = "".join(self._delta)
-        self._delta.clear()
+    def _split(self, text: str, ending: bool) -> Delta:
+        if self.parser is None:
+            return Delta(content=text)
+        d = self.parser.feed(text)
+        if ending:
+            d.add(self.parser.finish())
+        if self.inline_reasoning and d.reasoning:
+            d.content, d.reasoning = d.reasoning + d.content, ""
+        return d
+
+    def _add(self, d: Delta) -> None:
+        if d.content:
+            self.parts.append(d.content)
+        if d.reasoning:
+            self.reasoning_parts.append(d.reasoning)
+        self.calls.extend(d.calls)
+        self._delta_parsed.add(d)
+
+    def take_delta(self) -> tuple[Delta, list[tuple[int, LogprobRow]]]:
+        delta, self._delta_parsed = self._delta_parsed, Delta()
         logprobs, self._delta_logprobs = self._delta_logprobs, []
         return delta, logprobs
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
 
 
 def token_text(raw: bytes) -> str:
@@ -113,21 +146,38 @@ class Formatter:
             body["usage"] = None
         return body
 
-    def chunk(self, index: int, delta: str, logprobs: list[tuple[int, LogprobRow]],
-              text_offset: int = 0) -> dict[str, Any]:
+    def chunks(self, c: Collector, delta: Delta, logprobs: list[tuple[int, LogprobRow]],
+               text_offset: int = 0) -> list[dict[str, Any]]:
+        """The stream chunks for what one choice added: its text (and reasoning) first,
+        then each new tool call as two chunks, its id and name, then its arguments."""
+        index = c.index
         lp = self._logprobs(logprobs, text_offset) if self.wants_logprobs else None
         if not self.chat:
-            return self._envelope([{"index": index, "text": delta, "logprobs": lp,
-                                    "finish_reason": None}], chunk=True)
-        body: dict[str, Any] = {"content": delta}
+            if not delta.content and not logprobs:
+                return []
+            return [self._envelope([{"index": index, "text": delta.content, "logprobs": lp,
+                                     "finish_reason": None}], chunk=True)]
+        out = []
+        if delta.content or delta.reasoning or lp is not None or index not in self._role_sent:
+            body: dict[str, Any] = {"content": delta.content}
+            if delta.reasoning:
+                body["reasoning_content"] = delta.reasoning
+            out.append(self._delta_chunk(index, body, lp))
+        first = len(c.calls) - len(delta.calls)
+        for n, call in enumerate(delta.calls, start=first):
+            head = {"index": n, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            out.append(self._delta_chunk(index, {"tool_calls": [head]}, None))
+            args = {"index": n, "function": {"arguments": call.arguments}}
+            out.append(self._delta_chunk(index, {"tool_calls": [args]}, None))
+        return out
+
+    def _delta_chunk(self, index: int, body: dict[str, Any], lp: Any) -> dict[str, Any]:
         if index not in self._role_sent:
-            body["role"] = "assistant"
+            body = {"role": "assistant", **body}
             self._role_sent.add(index)
         return self._envelope([{"index": index, "delta": body, "logprobs": lp,
                                 "finish_reason": None}], chunk=True)
-
-    def needs_first_chunk(self, index: int) -> bool:
-        return self.chat and index not in self._role_sent
 
     def final_chunk(self, c: Collector) -> dict[str, Any]:
         if self.chat:
@@ -148,14 +198,25 @@ class Formatter:
         for c in collectors:
             lp = self._logprobs(list(zip(c.token_ids, c.logprobs)), 0) if self.wants_logprobs else None
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                choices.append({"index": c.index, "message": self._message(c), "logprobs": lp,
+                                "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason})
         body = self._envelope(choices, chunk=False)
         body["usage"] = usage(collectors, prompt_tokens)
         return body
+
+    def _message(self, c: Collector) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": c.text if c.text or not c.calls else None}
+        if c.reasoning_parts:
+            message["reasoning_content"] = c.reasoning
+        if c.calls:
+            message["tool_calls"] = [
+                {"id": t.id, "type": "function",
+                 "function": {"name": t.name, "arguments": t.arguments}} for t in c.calls]
+        return message
 
     def _logprobs(self, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
         if self.chat:

@@ -7,12 +7,16 @@ clients often send vendor extras.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import BadRequest
+from router.constraints import ResponseFormat
 from router.job import Sampling
 from router.sampling import is_int, parse_max_tokens, parse_sampling
+from router.toolspec import (
+    Tool, ToolChoice, parse_response_format, parse_tool_calls, parse_tool_choice, parse_tools,
+)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOPS = 4
@@ -22,11 +26,8 @@ NEUTRAL: dict[str, Any] = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: v in (None, []),
     "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -50,6 +51,11 @@ class Parsed:
     n: int = 1
     prompts: list[str | list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = ToolChoice("none")
+    response_format: ResponseFormat | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    separate_reasoning: bool = True            # reasoning text in reasoning_content
 
     @property
     def num_choices(self) -> int:
@@ -82,7 +88,16 @@ def parse_chat(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
     clean = [_message(m, i) for i, m in enumerate(messages)]
-    return _common(body, "chat", default_max_tokens, max_n, messages=clean)
+    tools = parse_tools(body.get("tools"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise BadRequest("parallel_tool_calls must be a bool", param="parallel_tool_calls")
+    return _common(body, "chat", default_max_tokens, max_n, messages=clean, tools=tools,
+                   tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+                   template_kwargs=dict(kwargs or {}),
+                   separate_reasoning=_optional(body, "separate_reasoning", bool, True))
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -109,7 +124,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                                  param=f"{param}.content")
             parts.append(part["text"])
         content = "".join(parts)
-    elif content is None and role == "assistant":
+    elif content is None and role in ("assistant", "tool"):
         content = ""
     elif not isinstance(content, str):
         raise BadRequest(f"{param}.content must be a string or a list of text parts",
@@ -117,6 +132,12 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = parse_tool_calls(m["tool_calls"], f"{param}.tool_calls")
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+        out["reasoning_content"] = m["reasoning_content"]
     return out
 
 
@@ -145,7 +166,8 @@ def _common(body: dict[str, Any], kind: str, default_max_tokens: int, max_n: int
     sampling = Sampling(max_tokens=parse_max_tokens(body, default_max_tokens),
                         params=parse_sampling(body, chat=kind == "chat"))
     return Parsed(kind=kind, model=model or "", sampling=sampling, stream=stream,
-                  include_usage=include_usage, stop=_stops(body.get("stop")), n=n or 1, **prompt)
+                  include_usage=include_usage, stop=_stops(body.get("stop")), n=n or 1,
+                  response_format=parse_response_format(body.get("response_format")), **prompt)
 
 
 def _stops(stop: Any) -> list[str]:

@@ -16,6 +16,7 @@ from common.protocol import Hello
 from common.version import __version__
 from worker.calibrate import cache_key, calibrate
 from worker.engine import Engine
+from worker.grammar import GrammarCompiler
 from worker.loader import LoadedModel, context_length
 from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
 from worker.server import ServerOptions, WorkerServer
@@ -75,9 +76,12 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline)
+    grammars = GrammarCompiler(str(loaded.path), shape.vocab_size or loaded.tokenizer.vocab_size,
+                               sorted(loaded.tokenizer.eos_token_ids))
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
-                    prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
+                    prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
+                    grammars=grammars)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
     hello = Hello(

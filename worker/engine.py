@@ -16,6 +16,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from common.protocol import SamplingParams
+from worker.grammar import GrammarCompiler
 from worker.sampling import logprob_rows, make_processors, make_sampler
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class Engine:
     """Wraps BatchGenerator: insert, cancel, step → outputs."""
 
     def __init__(self, model: Any, eos_token_ids: list[int], *, prefill_step_size: int,
-                 prefill_batch_size: int, max_batch_size: int) -> None:
+                 prefill_batch_size: int, max_batch_size: int,
+                 grammars: GrammarCompiler | None = None) -> None:
+        self.grammars = grammars
         self._eos = StopSequences([[e] for e in eos_token_ids] or None)
         self._no_eos = StopSequences(None)
         self.generator = BatchGenerator(
@@ -79,7 +82,7 @@ class Engine:
             [prompt_ids],
             max_tokens=[max_tokens],
             samplers=[make_sampler(sampling)],
-            logits_processors=[make_processors(sampling)],
+            logits_processors=[make_processors(sampling, self.grammars)],
             stop_sequences=[self._no_eos if sampling.ignore_eos else self._eos],
         )
         run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs)

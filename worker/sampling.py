@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import (
 )
 
 from common.protocol import SamplingParams
+from worker.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,10 @@ def make_sampler(p: SamplingParams) -> Sampler | None:
     return sample
 
 
-def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
-    """Logit bias and the three penalties, each over its own window of recent tokens."""
-    return make_logits_processors(
+def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None) -> list[LogitsProcessor]:
+    """Logit bias and the three penalties, each over its own window of recent tokens, then
+    the row's grammar (last, so nothing can lift a token it forbids)."""
+    processors = make_logits_processors(
         logit_bias={int(t): float(b) for t, b in p.logit_bias} or None,
         repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
         repetition_context_size=p.repetition_context_size,
@@ -68,6 +70,11 @@ def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
         frequency_penalty=p.frequency_penalty or None,
         frequency_context_size=p.frequency_context_size,
     )
+    if p.grammar is not None:
+        if grammars is None:
+            raise ValueError("this worker has no grammar compiler")
+        processors.append(grammars.processor(p.grammar))
+    return processors
 
 
 def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:

@@ -293,16 +293,13 @@ def test_ignore_eos_must_be_a_bool(parse: Any, make: Any, value: Any) -> None:
 
 NEUTRAL_VALUES = {
     "echo": [None, False], "best_of": [None, 1], "suffix": [None, ""],
-    "tools": [None, []], "functions": [None, []], "tool_choice": [None, "none", "auto"],
-    "function_call": [None, "none", "auto"], "response_format": [None, {"type": "text"}],
+    "functions": [None, []], "function_call": [None, "none", "auto"],
     "modalities": [None, ["text"]],
     "audio": [None], "prediction": [None],
 }
 NON_NEUTRAL_VALUES = {
     "echo": [True], "best_of": [2], "suffix": ["end"],
-    "tools": [[{"type": "function", "function": {"name": "f"}}]], "functions": [[{"name": "f"}]],
-    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
-    "function_call": [{"name": "f"}], "response_format": [{"type": "json_object"}],
+    "functions": [[{"name": "f"}]], "function_call": [{"name": "f"}],
     "modalities": [["text", "audio"]],
     "audio": [{"voice": "alloy"}], "prediction": [{"type": "content", "content": "x"}],
 }
@@ -354,3 +351,67 @@ def test_arbitrary_json_raises_only_bad_request(parse: Any, body: Any) -> None:
         parse(body, DEFAULT_MAX)
     except BadRequest:
         pass
+
+
+# -- tools, tool choice, response format ---------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                            "parameters": {"type": "object"}}}
+
+
+def test_tools_and_choice() -> None:
+    parsed = parse_chat(chat(tools=[WEATHER]), DEFAULT_MAX)
+    assert [t.name for t in parsed.tools] == ["get_weather"] and parsed.tool_choice.mode == "auto"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    parsed = parse_chat(chat(tools=[WEATHER], tool_choice=named), DEFAULT_MAX)
+    assert (parsed.tool_choice.mode, parsed.tool_choice.name) == ("function", "get_weather")
+    assert parse_chat(chat(tools=[WEATHER], tool_choice="required"), DEFAULT_MAX).tool_choice.is_forced
+    assert parse_chat(chat(), DEFAULT_MAX).tool_choice.mode == "none"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": "x"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"separate_reasoning": "no"}, "separate_reasoning"),
+])
+def test_bad_tool_fields(fields: dict[str, Any], param: str) -> None:
+    assert refused(parse_chat, chat(**fields)).param == param
+
+
+@pytest.mark.parametrize(("value", "kind"), [
+    (None, None), ({"type": "text"}, None), ({"type": "json_object"}, "json_object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                             "strict": True}}, "json_schema"),
+])
+def test_response_format(value: Any, kind: str | None) -> None:
+    rf = parse_chat(chat(response_format=value), DEFAULT_MAX).response_format
+    assert (rf.kind if rf else None) == kind
+
+
+def test_assistant_tool_calls_and_tool_messages_in_history() -> None:
+    messages = [USER[0],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    parsed = parse_chat({"messages": messages}, DEFAULT_MAX)
+    assert parsed.messages is not None
+    assert parsed.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                               "arguments": {"city": "Paris"}}
+    assert parsed.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_tool_call_arguments_must_be_json() -> None:
+    bad = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
+    assert refused(parse_chat, {"messages": [USER[0], bad]}).param == "messages[1].tool_calls"

@@ -1,0 +1,108 @@
+"""Constrained decoding: an llguidance grammar as one row's logits processor.
+
+The router turns ``response_format`` and forced tool calls into an llguidance grammar and
+has already refused any the library cannot enforce; here each grammar is compiled once,
+on a thread (llguidance drops the GIL while compiling), while the row's prompt prefills,
+and kept in a small LRU cache so a repeated schema costs only a matcher copy. Per step the
+processor advances the row's matcher by the token it sampled last, asks for the bitmask
+of allowed next tokens and sets every other logit to -inf.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_ENTRIES = 64
+
+
+class GrammarCompiler:
+    """llguidance grammars for one model's tokenizer, compiled off the step loop and cached."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._eos = eos_token_ids
+        self._tokenizer: LLTokenizer | None = None
+        self._compiled: OrderedDict[str, Future[LLMatcher]] = OrderedDict()
+
+    def _llg_tokenizer(self) -> LLTokenizer:
+        # Built at the first grammar, not at start: ~1 s for a 150k vocabulary
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+            self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size,
+                                             eos_token=self._eos[0] if self._eos else None)
+        return self._tokenizer
+
+    def _compile(self, grammar: str) -> LLMatcher:
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            log.warning("grammar failed to compile: %s", matcher.get_error())
+        return matcher
+
+    def compile(self, grammar: str) -> Future[LLMatcher]:
+        """A future of the compiled grammar (a template: copy it for each row)."""
+        future = self._compiled.get(grammar)
+        if future is None:
+            future = self._pool.submit(self._compile, grammar)
+            self._compiled[grammar] = future
+            while len(self._compiled) > CACHE_ENTRIES:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return future
+
+    def processor(self, grammar: str) -> GrammarProcessor:
+        return GrammarProcessor(self.compile(grammar))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarProcessor:
+    """One row's matcher as a BatchGenerator logits processor ``(tokens, logits) → logits``."""
+
+    def __init__(self, template: Future[LLMatcher]) -> None:
+        self._template = template
+        self._matcher: LLMatcher | None = None
+        self._warned = False
+        self._shifts = mx.arange(32, dtype=mx.int32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._matcher is None:
+            # First call: the context ends with the prompt's last token, nothing to consume
+            self._matcher = self._template.result().deep_copy()
+        else:
+            self._matcher.consume_token(int(tokens[-1].item()))
+        return apply_mask(logits, self.bitmask(), self._shifts)
+
+    def bitmask(self) -> np.ndarray:
+        """The allowed next tokens, one bit each (llguidance's int32 words)."""
+        m = self._matcher
+        assert m is not None
+        if m.is_error() and not self._warned:  # its mask then allows only EOS
+            self._warned = True
+            log.warning("grammar matcher error: %s", m.get_error())
+        return np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+
+
+def apply_mask(logits: mx.array, words: np.ndarray, shifts: mx.array) -> mx.array:
+    """Keep the logits whose bit is set; every other one becomes -inf."""
+    vocab = logits.shape[-1]
+    bits = (mx.array(words)[:, None] >> shifts) & 1
+    allowed = bits.reshape(-1)
+    if allowed.shape[0] < vocab:
+        allowed = mx.concatenate([allowed, mx.zeros(vocab - allowed.shape[0], dtype=allowed.dtype)])
+    allowed = allowed[:vocab].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
