@@ -94,7 +94,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 # Subcommands that own their argument parsing: bench/<name>.py main(argv).
-DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly"}
+DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly",
+                             "grammar": "grammar", "structured": "structured"}
 
 
 def main(argv: list[str] | None = None) -> int:

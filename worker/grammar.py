@@ -41,8 +41,7 @@ class GrammarCompiler:
             from transformers import AutoTokenizer
 
             hf = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
-            self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size,
-                                             eos_token=self._eos[0] if self._eos else None)
+            self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
         return self._tokenizer
 
     def _compile(self, grammar: str) -> LLMatcher:
@@ -64,7 +63,7 @@ class GrammarCompiler:
         return future
 
     def processor(self, grammar: str) -> GrammarProcessor:
-        return GrammarProcessor(self.compile(grammar))
+        return GrammarProcessor(self.compile(grammar), self._eos)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -73,8 +72,9 @@ class GrammarCompiler:
 class GrammarProcessor:
     """One row's matcher as a BatchGenerator logits processor ``(tokens, logits) → logits``."""
 
-    def __init__(self, template: Future[LLMatcher]) -> None:
+    def __init__(self, template: Future[LLMatcher], eos_token_ids: list[int]) -> None:
         self._template = template
+        self._eos = eos_token_ids
         self._matcher: LLMatcher | None = None
         self._warned = False
         self._shifts = mx.arange(32, dtype=mx.int32)
@@ -91,10 +91,16 @@ class GrammarProcessor:
         """The allowed next tokens, one bit each (llguidance's int32 words)."""
         m = self._matcher
         assert m is not None
-        if m.is_error() and not self._warned:  # its mask then allows only EOS
+        if m.is_error() and not self._warned:
             self._warned = True
             log.warning("grammar matcher error: %s", m.get_error())
-        return np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+        words = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+        if not words.any():  # nothing allowed (a lost matcher): end the row rather than sample NaN
+            bits = np.zeros(len(words), dtype=np.uint32)
+            for eos in self._eos:
+                bits[eos // 32] |= np.uint32(1 << (eos % 32))
+            words = bits.view(np.int32)
+        return words
 
 
 def apply_mask(logits: mx.array, words: np.ndarray, shifts: mx.array) -> mx.array:
