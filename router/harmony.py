@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from router.tools import Delta, ToolCall, held_back, new_call_id
+from router.tools import Delta, StreamParser, ToolCall, held_back, new_call_id
 
 __all__ = ["HarmonyParser"]
 
@@ -21,21 +21,14 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
-class HarmonyParser:
-    """Same interface as ``router.tools.OutputParser``: ``feed(text)``, ``finish()``."""
+class HarmonyParser(StreamParser):
+    """GPT-OSS's channels; the same interface as ``router.tools.OutputParser``."""
 
     def __init__(self) -> None:
         self.buf = ""
         self.kind: str | None = None     # None: reading a header; else reasoning|content|call
         self.name = ""
         self.body = ""                   # a call's arguments so far
-
-    def feed(self, text: str) -> Delta:
-        self.buf += text
-        out = Delta()
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> Delta:
         out = self.feed("")

@@ -11,12 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.harmony import HarmonyParser
 from router.job import TokenEvent
 from router.schema import Parsed
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
-from router.tools import Delta, OutputParser, ToolCall
+from router.tools import Delta, StreamParser, ToolCall
 
 # A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
 LogprobRow = list[Any]
@@ -30,7 +29,7 @@ class Collector:
     """
 
     def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int,
-                 index: int = 0, parser: OutputParser | HarmonyParser | None = None,
+                 index: int = 0, parser: StreamParser | None = None,
                  inline_reasoning: bool = False) -> None:
         self.index = index
         self.parser = parser

@@ -13,9 +13,8 @@ from typing import Any, Protocol
 
 from common.errors import BadRequest
 from router.constraints import lark_grammar, response_format_grammar
-from router.harmony import HarmonyParser
 from router.schema import Parsed
-from router.tools import MARKERS, OutputParser, call_grammar, detect_format, make_parser
+from router.tools import MARKERS, StreamParser, call_grammar, detect_format, make_parser
 
 __all__ = ["OutputPlan", "plan_output", "tool_format"]
 
@@ -45,7 +44,7 @@ class OutputPlan:
         tools = MARKERS.get(self.tool_format or "", ())
         return tools + (self.think or ())
 
-    def parser(self) -> OutputParser | HarmonyParser | None:
+    def parser(self) -> StreamParser | None:
         if self.tool_format is None and self.think is None:
             return None
         return make_parser(self.tool_format, self.think, self.in_reasoning)

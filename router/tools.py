@@ -21,15 +21,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.constraints import JSON_OPTIONS
 from router.toolspec import Tool, ToolChoice
 
-if TYPE_CHECKING:
-    from router.harmony import HarmonyParser
-
-__all__ = ["FORMATS", "MARKERS", "ToolCall", "Delta", "OutputParser", "detect_format",
+__all__ = ["FORMATS", "MARKERS", "ToolCall", "Delta", "StreamParser", "OutputParser", "detect_format",
            "call_grammar", "make_parser", "new_call_id"]
 
 
@@ -193,7 +190,28 @@ def detect_format(template: str | None) -> str | None:
     return None
 
 
-class OutputParser:
+class StreamParser:
+    """A state machine over a text buffer: ``feed`` steps it until it needs more text."""
+
+    buf: str
+
+    def feed(self, text: str) -> Delta:
+        self.buf += text
+        out = Delta()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> Delta:
+        """The end of the output: whatever is held back, as what it is."""
+        raise NotImplementedError
+
+    def _step(self, out: Delta) -> bool:
+        """One move; False when it needs more text."""
+        raise NotImplementedError
+
+
+class OutputParser(StreamParser):
     """One choice's text stream → content, reasoning and tool calls (see the module doc)."""
 
     def __init__(self, fmt: Format | None, think: tuple[str, str] | None = None,
@@ -204,13 +222,6 @@ class OutputParser:
         self.buf = ""
         self._started = False       # any content seen (llama3_json decides on the first)
         self._strip = False         # drop whitespace right after a closing marker
-
-    def feed(self, text: str) -> Delta:
-        self.buf += text
-        out = Delta()
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> Delta:
         out = self.feed("")
@@ -229,7 +240,6 @@ class OutputParser:
         return out
 
     def _step(self, out: Delta) -> bool:
-        """One move of the state machine; False when it needs more text."""
         if self._strip:
             if not self.buf.strip():
                 return False
@@ -311,7 +321,7 @@ def _schema(schema: dict[str, Any]) -> str:
 
 
 def make_parser(fmt_name: str | None, think: tuple[str, str] | None = None,
-                in_reasoning: bool = False) -> OutputParser | HarmonyParser:
+                in_reasoning: bool = False) -> StreamParser:
     """The parser for one choice of a model whose template speaks ``fmt_name``."""
     if fmt_name == "harmony":
         from router.harmony import HarmonyParser

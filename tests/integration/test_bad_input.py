@@ -57,8 +57,10 @@ def assert_error(resp: httpx.Response, status: int, code: str, param: str | None
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
+    (CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "echo": True}, "echo"),
 ])
 def test_bad_input_is_a_400_naming_the_parameter(router: Router, path: str, body: Any,
                                                  param: str | None) -> None:

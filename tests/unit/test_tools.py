@@ -137,3 +137,9 @@ def test_call_grammars_validate(fmt: str, choice: ToolChoice) -> None:
     assert ("call1" in lark) == (choice.mode == "required")
     if fmt == "harmony":
         assert "<[1]>" in lark and '"<|channel|>"' not in lark
+
+
+def test_the_flag_lists_every_family() -> None:
+    from common.config import TOOL_PARSERS
+
+    assert set(TOOL_PARSERS) == {"auto", "none", *FORMATS}
