@@ -77,7 +77,6 @@ class GrammarProcessor:
         self._eos = eos_token_ids
         self._matcher: LLMatcher | None = None
         self._warned = False
-        self._shifts = mx.arange(32, dtype=mx.int32)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._matcher is None:
@@ -85,7 +84,7 @@ class GrammarProcessor:
             self._matcher = self._template.result().deep_copy()
         else:
             self._matcher.consume_token(int(tokens[-1].item()))
-        return apply_mask(logits, self.bitmask(), self._shifts)
+        return apply_mask(logits, self.bitmask())
 
     def bitmask(self) -> np.ndarray:
         """The allowed next tokens, one bit each (llguidance's int32 words)."""
@@ -103,12 +102,15 @@ class GrammarProcessor:
         return words
 
 
-def apply_mask(logits: mx.array, words: np.ndarray, shifts: mx.array) -> mx.array:
-    """Keep the logits whose bit is set; every other one becomes -inf."""
+def apply_mask(logits: mx.array, words: np.ndarray) -> mx.array:
+    """Keep the logits whose bit is set; every other one becomes -inf.
+
+    The bits are unpacked on the host (one pass over vocab/8 bytes) and sent as one bool
+    array: cheaper than unpacking them with a chain of MLX ops.
+    """
     vocab = logits.shape[-1]
-    bits = (mx.array(words)[:, None] >> shifts) & 1
-    allowed = bits.reshape(-1)
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")
     if allowed.shape[0] < vocab:
-        allowed = mx.concatenate([allowed, mx.zeros(vocab - allowed.shape[0], dtype=allowed.dtype)])
-    allowed = allowed[:vocab].astype(mx.bool_)
-    return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
+        allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=np.uint8)])
+    mask = mx.array(allowed[:vocab].view(np.bool_))
+    return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))

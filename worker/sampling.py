@@ -98,11 +98,9 @@ def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:
     else:
         mx.eval(chosen)
         ids_list = lps_list = [[] for _ in rows]
-    out = []
-    for i, (_, _, k) in enumerate(rows):
-        out.append([_finite(chosen[i].item()), ids_list[i][:k],
-                    [_finite(v) for v in lps_list[i][:k]]])
-    return out
+    # One transfer each (tolist), never an .item() per row: each is a sync
+    return [[_finite(lp), ids[:k], [_finite(v) for v in lps[:k]]]
+            for lp, ids, lps, (_, _, k) in zip(chosen.tolist(), ids_list, lps_list, rows)]
 
 
 def _top_k_sorted(x: mx.array, k: int) -> mx.array:
