@@ -241,7 +241,7 @@ class Api:
             num_chars += len(json.dumps(tools)) if tools else 0
 
             def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
-                text = tokenizer.render_chat(messages, tools, **parsed.template_kwargs)
+                text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
                 return tokenizer.encode_rendered(text), text
 
             ids, text = await self._encode(render_and_encode, parsed.messages, num_chars)

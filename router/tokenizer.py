@@ -188,9 +188,9 @@ class RouterTokenizer:
         return self._encode_batch([text], add_special_tokens=True)[0].ids
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    **template_kwargs: Any) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a chat rendered with the generation prompt."""
-        return self.encode_rendered(self.render_chat(messages, tools, **template_kwargs))
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a chat already rendered by ``render_chat``."""
@@ -215,7 +215,7 @@ class RouterTokenizer:
         return token if token is not None and token in self._special_ids else None
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    **template_kwargs: Any) -> str:
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat as text: the model's template, or the fallback format without one.
 
         ``tools`` (OpenAI's function shapes) and ``template_kwargs`` (``enable_thinking``
@@ -228,7 +228,7 @@ class RouterTokenizer:
             lines = [f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in chat]
             return "".join(lines) + FALLBACK_GENERATION_PROMPT
         try:
-            extra = {k: v for k, v in template_kwargs.items()
+            extra = {k: v for k, v in (template_kwargs or {}).items()
                      if k not in ("messages", "tools", "documents", "add_generation_prompt")}
             return self._template.render(
                 **{**self._template_vars, **extra},
