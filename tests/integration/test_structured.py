@@ -143,17 +143,16 @@ def test_required_tool_choice(client: openai.OpenAI) -> None:
 
 
 def test_tool_round_trip_in_history(client: openai.OpenAI) -> None:
-    """A call and its result in the history render through the template; the model answers."""
-    first = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0)
-    call = first.choices[0].message.tool_calls[0]
-    history = [*MESSAGES,
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": call.id, "type": "function",
-                    "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
-    r = chat(client, messages=history, tools=TOOLS, max_tokens=1, temperature=0)
+    """A call and its result in the history render through the template."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    plain = chat(client, messages=MESSAGES, tools=TOOLS[:1], max_tokens=1)
+    r = chat(client, messages=history, tools=TOOLS[:1], max_tokens=1, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    assert r.usage is not None and r.usage.prompt_tokens > first.usage.prompt_tokens
+    # the call's JSON and the result are in the prompt: more tokens than the question alone
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20
 
 
 def test_tool_choice_none_renders_no_tools(client: openai.OpenAI) -> None:
