@@ -231,12 +231,13 @@ class MemoryGate:
     # -- the step ----------------------------------------------------------------------
 
     def chunk(self, view: EngineView, paced: int) -> int:
-        """The next prefill chunk: the paced size, within what is left of the budget."""
-        if not self.admission:
+        """The next prefill chunk: the paced size, or the largest whose step stays within
+        the budget beside the batch's cache (the chunk's transient replaces the one that
+        admission assumed; it is not charged twice)."""
+        if not self.admission or not view.rows:
             return paced
-        free = max(0, self.model.budget_bytes - self.memory.reserved_bytes)
-        context = view.longest or paced
-        return min(paced, costmodel.safe_prefill_chunk(self.model, free, context, max(view.prefill_rows, 1)))
+        return costmodel.chunk_that_fits(self.model, view.rows, view.longest, max(view.prefill_rows, 1),
+                                         view.longest, self.model.budget_bytes, paced)
 
     def pressure(self, view: EngineView, chunk_tokens: int) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""

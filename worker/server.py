@@ -216,6 +216,7 @@ class WorkerServer:
             self.admit(msg)
         elif isinstance(msg, Cancel):
             if self.engine.cancel(msg.request_id):
+                self.gate.rebase(self.view())  # its promise goes with it
                 self._changed = True
                 log.debug("cancelled %s", msg.request_id)
         elif isinstance(msg, Shutdown):
@@ -281,6 +282,9 @@ class WorkerServer:
 
     def step(self) -> list[Output]:
         if not self.engine.has_work or self._broken:
+            if self.memory.reserved_bytes and not self.engine.has_work:
+                self.gate.rebase(self.view())  # nothing runs: nothing is promised
+                self._changed = True
             return []
         self.memory.probe.reset_peak()
         view = self._size_chunk()
