@@ -204,6 +204,9 @@ async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_token
     for a, b in [("short_1", "short_2"), ("long_1", "long_2")]:
         if out[a]["ttft_ms"] and out[b]["ttft_ms"]:
             out[f"{a}_over_{b}"] = round(out[a]["ttft_ms"] / out[b]["ttft_ms"], 2)
+    # A fresh worker that compiles kernels inside a step can be killed by the router's
+    # watchdog (seen on the H200: "engine loop wedged"); the restarts say so.
+    out["worker_restarts"] = worker_of(out["health"]).get("restarts")
     out["batch8_1_over_batch8_2"] = round(out["batch8_1"]["ttft_ms_max"] / max(out["batch8_2"]["ttft_ms_max"], 1e-9), 2)
     return out
 

@@ -163,6 +163,9 @@ def model_config(shape: dict[str, int], eos_ids: list[int], vocab_size: int = VO
         "rope_theta": 500000.0, "rope_traditional": False, "rope_scaling": None,
         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        # Without it transformers 5.17 takes the folder for an old Mistral checkpoint and warns
+        # of "an incorrect regex pattern" on every load (seen on the H200); nothing is wrong.
+        "transformers_version": "5.0.0",
         "bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": eos_ids[-1],
     }
 
