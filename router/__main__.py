@@ -25,10 +25,14 @@ DRAIN_POLL_S = 0.1
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     env = env_snapshot()
-    if args and args[0] in ("service", "status"):
+    if args and args[0] == "service":
         from router.service import run_command
 
         return run_command(args, env)
+    if args and args[0] == "status":
+        from router import console
+
+        return console.main(args[1:])
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
@@ -37,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(2, args)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": cfg.model})
     try:
         return asyncio.run(serve(cfg, addr, env))
     finally:

@@ -21,6 +21,7 @@ import zmq
 
 from common import costmodel
 from common.errors import ProtocolError
+from common.log import about
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
@@ -201,7 +202,7 @@ class WorkerServer:
         elif isinstance(msg, Cancel):
             if self.engine.cancel(msg.request_id):
                 self._changed = True
-                log.debug("cancelled %s", msg.request_id)
+                log.debug("cancelled", extra=about(msg.request_id))
         elif isinstance(msg, Shutdown):
             self.stop_reason = "asked by router" + (f": {msg.reason}" if msg.reason else "")
         elif isinstance(msg, Heartbeat):
@@ -211,14 +212,15 @@ class WorkerServer:
         """The worker is authoritative: it takes only what it has room for."""
         reject = self._check(msg)
         if reject is not None:
+            log.debug("rejected: %s (%s)", reject.reason, reject.message, extra=about(msg.request_id))
             self.send(reject)
             return
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                         temperature=msg.temperature, top_p=msg.top_p, seed=msg.seed,
                         ignore_eos=msg.ignore_eos)
         self._changed = True
-        log.debug("admitted %s: %d prompt tokens, max_tokens %d",
-                  msg.request_id, len(msg.prompt_ids), msg.max_tokens)
+        log.debug("admitted: %d prompt tokens, max_tokens %d", len(msg.prompt_ids), msg.max_tokens,
+                  extra=about(msg.request_id))
 
     def _check(self, msg: Generate) -> Reject | None:
         def reject(reason: RejectReason, text: str, needed: int = 0) -> Reject:
@@ -249,7 +251,7 @@ class WorkerServer:
             self.memory.probe.clear_cache()
             fits, worst = self._fits(n, msg.max_tokens)
         if not fits:
-            log.debug("not now: %s needs a batch worst case of %d bytes", msg.request_id, worst)
+            log.debug("not now: needs a batch worst case of %d bytes", worst, extra=about(msg.request_id))
             return reject(RejectReason.NOT_NOW, "no room now", worst)
         self.memory.reserved_bytes = worst
         return None
@@ -295,7 +297,7 @@ class WorkerServer:
             self.chunk_tokens = action.chunk_tokens
         evicted = list(self.engine.running)[len(self.engine.running) - action.evict:] if action.evict else []
         for request_id in evicted:
-            log.warning("evicting %s: memory taken by another process", request_id)
+            log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)
         if evicted:
             self._rebase_reservation()
@@ -432,6 +434,10 @@ class WorkerServer:
 
     def send_outputs(self, outputs: list[Output]) -> None:
         rows = [[o.request_id, o.token_ids, o.finish_reason] for o in outputs]
+        if log.isEnabledFor(logging.DEBUG):
+            for o in outputs:
+                if o.finish_reason is not None:
+                    log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
         self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows))
 
     def publish_status(self, force: bool = False) -> None:
