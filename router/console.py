@@ -53,10 +53,10 @@ def ago(at: float, now: float) -> str:
     return f"{s:.0f} s ago" if s < 90 else f"{s / 60:.0f} min ago" if s < 5400 else f"{s / 3600:.1f} h ago"
 
 
-def sparkline(values: list[float], width: int) -> str:
-    """The last ``width`` values as block characters, scaled to their own maximum."""
+def sparkline(values: list[float], width: int, top: float | None = None) -> str:
+    """The last ``width`` values as block characters, scaled to ``top`` (default their maximum)."""
     values = values[-width:]
-    top = max(values, default=0)
+    top = top or max(values, default=0)
     if top <= 0:
         return SPARK[0] * len(values)
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
@@ -113,8 +113,9 @@ def _worker_lines(w: dict[str, Any], history: list[dict[str, Any]], now: float, 
                      f"  peak {human_bytes(mem.get('peak_bytes'))}")
         spark_width = max(10, min(60, width - 24))
         headroom = [h["headroom_bytes"] for h in history if h.get("headroom_bytes") is not None]
-        if headroom:
-            lines.append(f"  headroom, last {len(headroom[-spark_width:])} s  " + sparkline(headroom, spark_width))
+        if headroom:  # scaled to the limit: a full bar is an idle worker
+            spark = sparkline(headroom, spark_width, mem.get("limit_bytes"))
+            lines.append(f"  headroom, last {len(spark)} s  {spark}")
     cache = w.get("prompt_cache")
     if cache:
         lines.append("  prompt cache: " + ", ".join(

@@ -46,6 +46,12 @@ function svg(tag, attrs) {
   return e;
 }
 
+// The next of 1, 2, 5 x 10^k at or above v: round grid lines for counts and rates.
+function niceCeil(v) {
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  return [1, 2, 5, 10].map(m => m * p).find(n => n >= v);
+}
+
 // A line chart of `series` ([field, label, colour var]) over `rows`; `limitField` is drawn
 // dashed. The y axis starts at 0; the x axis is the last `windowS` seconds up to `now`.
 function drawChart(target, rows, series, now, opts) {
@@ -57,7 +63,7 @@ function drawChart(target, rows, series, now, opts) {
   const fields = series.map(s => s[0]).concat(opts.limitField ? [opts.limitField] : []);
   let ymax = 0;
   for (const r of rows) for (const f of fields) if (r[f] > ymax) ymax = r[f];
-  ymax = ymax > 0 ? ymax * 1.05 : 1;
+  ymax = ymax > 0 ? (opts.nice ? niceCeil(ymax) : ymax * 1.05) : 1;
   const x = t => left + (w - left - right) * (1 - (now - t) / windowS);
   const y = v => top + (h - top - bottom) * (1 - v / ymax);
   for (let i = 0; i <= 4; i++) {
@@ -72,14 +78,20 @@ function drawChart(target, rows, series, now, opts) {
     label.textContent = t === now ? "now" : `-${Math.round(windowS / 60)} min`;
     target.appendChild(label);
   }
+  // One polyline per unbroken run: no line is drawn across a gap with no report (a restart).
   const draw = (field, colour, cls) => {
-    const pts = rows.filter(r => r[field] !== null && r[field] !== undefined && now - r.at <= windowS)
-      .map(r => `${x(r.at).toFixed(1)},${y(r[field]).toFixed(1)}`);
-    if (!pts.length) return 0;
-    const line = svg("polyline", {points: pts.join(" "), stroke: css(colour), "data-series": field});
-    if (cls) line.setAttribute("class", cls);
-    target.appendChild(line);
-    return pts.length;
+    const runs = [[]];
+    for (const r of rows) {
+      if (now - r.at > windowS) continue;
+      if (r[field] === null || r[field] === undefined) { if (runs.at(-1).length) runs.push([]); continue; }
+      runs.at(-1).push(`${x(r.at).toFixed(1)},${y(r[field]).toFixed(1)}`);
+    }
+    for (const pts of runs.filter(run => run.length)) {
+      const line = svg("polyline", {points: pts.join(" "), stroke: css(colour), "data-series": field});
+      if (cls) line.setAttribute("class", cls);
+      target.appendChild(line);
+    }
+    return runs.reduce((n, run) => n + run.length, 0);
   };
   let points = 0;
   if (opts.limitField) draw(opts.limitField, "--limit", "limit");
@@ -182,8 +194,8 @@ function render(s) {
   renderCache(s);
   renderRejections(s);
   drawChart($("mem-chart"), history, MEMORY_SERIES, s.at, {format: bytes, limitField: "limit_bytes"});
-  drawChart($("tps-chart"), history, [["tokens_per_s", "tokens/s", "--s4"]], s.at, {format: v => v.toFixed(0)});
-  drawChart($("load-chart"), history, LOAD_SERIES, s.at, {format: v => v.toFixed(1)});
+  drawChart($("tps-chart"), history, [["tokens_per_s", "tokens/s", "--s4"]], s.at, {format: v => v.toFixed(v % 1 ? 1 : 0), nice: true});
+  drawChart($("load-chart"), history, LOAD_SERIES, s.at, {format: v => v.toFixed(v % 1 ? 1 : 0), nice: true});
 }
 
 async function poll() {

@@ -37,7 +37,7 @@ def test_render_shows_the_facts_of_the_page() -> None:
                  "last exit: SIGKILL: killed by SIGKILL (60 s ago)", "limit 8.00 GiB",
                  "headroom 5.00 GiB", "reserved 512.00 MiB", "prompt cache: hits 3, ram_bytes 1.00 GiB",
                  "429 queue_full  r9  the queue is full", "400 invalid_request  r8  bad messages",
-                 "headroom, last 6 s  ▁▂▄▅▇█"):
+                 "headroom, last 6 s  ▁▂▃▄▅▅"):
         assert fact in text, fact
     assert all(len(line) <= 120 for line in text.splitlines())
 
@@ -56,3 +56,4 @@ def test_pieces() -> None:
     assert memory_bar({"limit_bytes": 10, "active_bytes": 5, "cache_bytes": 2}, 10) == "[#####++...]"
     assert memory_bar({"limit_bytes": 0}, 10) == ""
     assert sparkline([0, 0], 5) == "▁▁" and sparkline([1, 2, 3, 4], 2) == "▆█"
+    assert sparkline([1, 2], 5, top=4) == "▃▅"
