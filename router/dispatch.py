@@ -292,7 +292,10 @@ class Dispatcher:
             link.status, link.status_at, link.held = msg.report, now, False
             if isinstance(msg.report.get("cost_model"), dict):
                 # The worker grows its model when it measures more than it predicted.
-                link.model = CostModel.from_dict(msg.report["cost_model"])
+                model = CostModel.from_dict(msg.report["cost_model"])
+                if model != link.model:
+                    link.model = model
+                    self.recheck_queued(link)
             self.pump()
         elif isinstance(msg, Heartbeat):
             # The stall clock runs only while work waits: it restarts when the counter moves
@@ -318,7 +321,25 @@ class Dispatcher:
         self.ready.set()
         for listener in self.hello_listeners:
             listener(hello)
+        self.recheck_queued(self.link)
         self.pump()
+
+    def recheck_queued(self, link: WorkerLink) -> None:
+        """The cost model, budget or limit changed: a queued request that can now never fit
+        is answered at once, never left to wait for a condition that cannot change."""
+        refused: dict[str, BadRequest] = {}
+
+        def never(job: Job) -> bool:
+            error = admission.check_ever(link.model, link.hello.admission, len(job.prompt_ids),
+                                         job.sampling.max_tokens)
+            if error is not None:
+                refused[job.request_id] = error
+            return error is not None
+
+        for job in self.backlog.remove_where(never):
+            log.info("can no longer fit (cost model scale %.3f, budget %d B); refused",
+                     link.model.scale, link.model.budget_bytes, extra=about(job.request_id))
+            job.fail(refused[job.request_id])
 
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         now = self.clock()
