@@ -48,11 +48,14 @@ def about(router: Router, request_id: str) -> list[dict[str, Any]]:
     return [r for r in log_records(router) if r.get("request_id") == request_id]
 
 
-def chat(router: Router, request_id: str | None) -> Any:
+def chat(router: Router, request_id: str | None) -> tuple[Any, Any]:
+    """(the response headers, the parsed completion), the client closed after."""
     headers = {"X-Request-Id": request_id} if request_id is not None else {}
-    return router.client(api_key=KEY).chat.completions.with_raw_response.create(
-        model="demo", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
-        extra_headers=headers)
+    with router.client(api_key=KEY) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+            extra_headers=headers)
+        return raw.headers, raw.parse()
 
 
 def status(router: Router) -> dict[str, Any]:
@@ -62,9 +65,8 @@ def status(router: Router) -> dict[str, Any]:
 # -- request ids ---------------------------------------------------------------------------
 
 def test_request_id_round_trip_into_both_processes_logs(router: Router) -> None:
-    raw = chat(router, "trace-0001.a")
-    completion = raw.parse()
-    assert raw.headers["x-request-id"] == "trace-0001.a"
+    headers, completion = chat(router, "trace-0001.a")
+    assert headers["x-request-id"] == "trace-0001.a"
     assert completion.id == "chatcmpl-trace-0001.a"
     assert completion._request_id == "trace-0001.a"  # what the openai client reads
     worker = status(router)["workers"][0]
@@ -92,10 +94,10 @@ def test_request_id_round_trip_into_both_processes_logs(router: Router) -> None:
 
 def test_an_insane_request_id_is_replaced_and_a_missing_one_generated(router: Router) -> None:
     for sent in ("has space/and slash", "x" * 200, None):
-        raw = chat(router, sent)
-        got = raw.headers["x-request-id"]
+        headers, completion = chat(router, sent)
+        got = headers["x-request-id"]
         assert got != sent and re.fullmatch(r"[0-9a-f]{24}", got)
-        assert raw.parse().id == f"chatcmpl-{got}"
+        assert completion.id == f"chatcmpl-{got}"
 
 
 def test_streams_and_errors_carry_the_request_id(router: Router) -> None:
