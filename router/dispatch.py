@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from common.costmodel import CostModel
 from common.log import about
@@ -86,7 +85,10 @@ class Dispatcher:
         self.ready = asyncio.Event()          # set while a worker has said hello
         self.unavailable: str | None = None   # why no worker will come (failed, draining)
         self.refused: dict[str, Any] | None = None  # the last worker refused for its version
-        self._ctx = zmq.asyncio.Context()
+        # A plain (synchronous) socket read from the event loop's reader callback: no
+        # Future per message or per wakeup on the token path, and a failed send raises
+        # here instead of in a Future nobody awaits.
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -94,18 +96,24 @@ class Dispatcher:
         self._sock.setsockopt(zmq.SNDHWM, 10_000)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         self._sock.bind(self.addr)
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="dispatch-recv"),
-                       asyncio.create_task(self._expiry_loop(), name="dispatch-expiry")]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.FD, self._on_readable)
+        self._tasks = [asyncio.create_task(self._expiry_loop(), name="dispatch-expiry")]
+        self._on_readable()  # anything that arrived before the reader was registered
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.FD)
         self._sock.close(0)
         self._ctx.term()
 
@@ -179,6 +187,7 @@ class Dispatcher:
             request_id = getattr(msg, "request_id", None)
             log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc,
                         extra=about(request_id, link.incarnation) if request_id else None)
+        self._check_readable()
 
     # -- worker lifecycle ------------------------------------------------------------
 
@@ -230,20 +239,37 @@ class Dispatcher:
 
     # -- input -----------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        # Await one message, then drain what else is waiting through the synchronous shadow
-        # socket: one Future per wakeup instead of one per message (tokens arrive in bursts).
-        shadow = zmq.Socket.shadow(self._sock.underlying)
-        while True:
+    def _on_readable(self) -> None:
+        """Drain what is waiting, a bounded batch at a time so the loop is never starved.
+
+        ZeroMQ's FD is edge-triggered: it signals once for a batch and again only after
+        the socket was read dry (or its EVENTS were read), so a drain that stops early
+        schedules itself again, and a send checks EVENTS (``_check_readable``).
+        """
+        self._drain_scheduled = False
+        for _ in range(MAX_DRAIN):
             try:
-                self._on_frames(await self._sock.recv_multipart())
-                for _ in range(MAX_DRAIN):
-                    self._on_frames(shadow.recv_multipart(zmq.NOBLOCK))
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                continue
+                return
             except zmq.ZMQError as exc:
                 log.error("router socket error: %s", exc)
-                await asyncio.sleep(0.1)
+                return
+            self._on_frames(frames)
+        self._schedule_drain()
+
+    def _check_readable(self) -> None:
+        try:
+            readable = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return
+        if readable:
+            self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        if self._loop is not None and not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:

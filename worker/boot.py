@@ -19,11 +19,16 @@ from worker.engine import Engine
 from worker.loader import LoadedModel, context_length
 from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
 from worker.server import ServerOptions, WorkerServer
+from worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 # Prompts prefilled together (mlx-lm's default).
 PREFILL_BATCH_SIZE = 8
+# Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
+# first kernels can take tens of seconds to compile, better before "ready" than after.
+WARMUP_BUDGET_S = {"cpu": 2.0}
+WARMUP_BUDGET_DEFAULT_S = 60.0
 
 
 class NotEnoughMemory(RuntimeError):
@@ -86,6 +91,11 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
+    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=cfg.prefill_step_size,
+                   max_batch=cfg.max_batch_size,
+                   budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
+    probe.clear_cache()
+    memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
     hello = Hello(
@@ -105,7 +115,10 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    return WorkerServer(opts, engine, memory, hello)
+    server = WorkerServer(opts, engine, memory, hello)
+    for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
+        server.pacer.observe(tokens, seconds)
+    return server
 
 
 def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:
