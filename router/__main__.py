@@ -8,13 +8,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
-from router.app import API, STATE, SUPERVISOR, make_app
 
 log = logging.getLogger("router")
 
@@ -50,6 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def serve(cfg: RouterConfig, addr: str, env: dict[str, str]) -> int:
+    # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
+    from aiohttp import web
+
+    from router.app import API, STATE, SUPERVISOR, make_app
+
     app = make_app(cfg, addr, env)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
