@@ -122,11 +122,7 @@ def make_probe(memory_limit_mb: int | None, *, mx: Any = AUTO) -> DeviceProbe:
     cuda = getattr(mx, "cuda", None)
     if not mx.metal.is_available() and cuda is not None and cuda.is_available():
         return CudaProbe(memory_limit_mb, mx=mx)
-    probe = MlxProbe(memory_limit_mb)
-    if not getattr(probe, "device_name", None):
-        # MlxProbe predates device names; MLX names the chip (Metal) or the CPU.
-        probe.device_name = str(mx.device_info().get("device_name") or probe.device)  # type: ignore[attr-defined]
-    return probe
+    return MlxProbe(memory_limit_mb)
 
 
 def _import_nvml() -> Any:

@@ -220,7 +220,7 @@ class MemoryGate:
         """What running rows already hold above weights and baseline."""
         mem = self.memory
         r = mem.last or mem.refresh()
-        return max(0, r.active_bytes - mem.weights_bytes - mem.baseline_bytes)
+        return max(0, r.active_bytes - mem.idle_active_bytes)
 
     def free_bytes(self) -> int:
         """Live headroom minus what is promised to running rows but not yet allocated."""
@@ -278,7 +278,7 @@ class MemoryGate:
     def observe_step(self, predicted_fitted: int, now: float) -> bool:
         """Compare the step's measured peak with the prediction. True: the model changed."""
         mem = self.memory
-        measured = mem.probe.step_peak() - mem.weights_bytes - mem.baseline_bytes
+        measured = mem.probe.step_peak() - mem.idle_active_bytes
         changed = self.tracker.observe(measured, predicted_fitted, now)
         mem.worst_measured_over_predicted = self.tracker.worst_ratio
         if changed:
