@@ -8,13 +8,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
-from router.app import API, STATE, SUPERVISOR, make_app
 
 log = logging.getLogger("router")
 
@@ -25,10 +22,14 @@ DRAIN_POLL_S = 0.1
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     env = env_snapshot()
-    if args and args[0] in ("service", "status"):
+    if args and args[0] == "service":
         from router.service import run_command
 
         return run_command(args, env)
+    if args and args[0] == "status":
+        from router import console
+
+        return console.main(args[1:])
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(2, args)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": cfg.model})
     try:
         return asyncio.run(serve(cfg, addr, env))
     finally:
@@ -46,6 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def serve(cfg: RouterConfig, addr: str, env: dict[str, str]) -> int:
+    # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
+    from aiohttp import web
+
+    from router.app import API, STATE, SUPERVISOR, make_app
+
     app = make_app(cfg, addr, env)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -23,11 +22,13 @@ from common.errors import (
     Unauthorized,
 )
 from router import admission
+from common.log import about
 from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
 from router.output import Collector, Formatter
 from router.plan import plan_output, template_tools
+from router.reqid import KEY as REQUEST_ID, make_request_id
 from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
@@ -131,12 +132,13 @@ class Api:
                      endpoint: str) -> web.StreamResponse:
         arrived = time.monotonic()
         status = 500
+        request_id = request.get(REQUEST_ID) or make_request_id()
         try:
             self.check_auth(request)
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
             parsed = parse(await self._json(request), self.default_max_tokens, self.max_n)
-            rows = await self._admit(parsed, arrived)
+            rows = await self._admit(parsed, arrived, request_id)
             response = await self._run(request, parsed, rows)
             status = response.status
             return response
@@ -144,8 +146,9 @@ class Api:
             status = exc.status
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
-            log.info("request refused on /v1/%s: %d %s: %s", endpoint, exc.status, exc.code,
-                     exc.message)
+                self.metrics.history.note_rejection(time.time(), request_id, endpoint, exc)
+            log.info("refused on /v1/%s: %d %s: %s", endpoint, exc.status, exc.code, exc.message,
+                     extra=about(request_id))
             raise
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -195,7 +198,7 @@ class Api:
             tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
         return tokenizer, link
 
-    async def _admit(self, parsed: Parsed, arrived: float) -> Rows:
+    async def _admit(self, parsed: Parsed, arrived: float, request_id: str) -> Rows:
         """Tokenize, refuse what can never fit, and queue one job per choice (one row each)."""
         deadline = arrived + self.queue_timeout_s
         tokenizer, link = await self._tokenizer_for(deadline)
@@ -215,12 +218,14 @@ class Api:
                                          parsed.sampling.max_tokens)
             if error is not None:
                 raise error
-        base = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        rows = Rows(base, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan)
+        # The response id ends with the request id, so a client can quote either; a choice's
+        # row is the request id with its index.
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        rows = Rows(prefix + request_id, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan)
         now = time.monotonic()
         for index in range(parsed.num_choices):
-            request_id = base if parsed.num_choices == 1 else f"{base}-{index}"
-            rows.jobs.append(Job(request_id=request_id, prompt_ids=prompts[index // parsed.n],
+            row_id = request_id if parsed.num_choices == 1 else f"{request_id}-{index}"
+            rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
                                  sampling=row_sampling(sampling, index), deadline=deadline,
                                  enqueued_at=now, events=ChoiceEvents(rows.events, index)))
         try:
@@ -292,12 +297,13 @@ class Api:
             self.metrics.queue_wait.observe(queued_s)
         if ttft_s is not None:
             self.metrics.ttft.observe(ttft_s)
+            self.metrics.history.note_ttft(time.time(), ttft_s)
         outcome = "client gone" if client_left and not collector.finished else (
             collector.finish_reason or "error")
-        log.info("request %s: %s, prompt %d tokens, completion %d tokens, queued %.3fs, "
-                 "ttft %s, total %.3fs", job.request_id, outcome, len(job.prompt_ids),
-                 collector.completion_tokens, queued_s,
-                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
+        log.info("finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
+                 "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
+                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
+                 extra=about(job.request_id, job.incarnation))
 
     def _feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
         c = collectors[index]

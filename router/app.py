@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -13,6 +14,7 @@ from common.config import RouterConfig
 from router.api import Api, error_middleware
 from router.backlog import Backlog
 from router.dispatch import Dispatcher
+from router.reqid import RequestIds, add_header
 from router.status import Metrics, StatusViews
 from router.supervisor import SpawnSpec, Supervisor
 
@@ -32,6 +34,7 @@ STATE = web.AppKey("state", RouterState)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 API = web.AppKey("api", Api)
+VIEWS = web.AppKey("views", StatusViews)
 
 
 def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
@@ -49,7 +52,10 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    # The request id is outermost, so even an error response and its log line carry it.
+    app = web.Application(middlewares=[RequestIds().middleware, error_middleware],
+                          client_max_size=cfg.max_body_bytes)
+    app.on_response_prepare.append(add_header)
     state = RouterState()
     metrics = Metrics()
     dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics)
@@ -63,8 +69,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     dispatcher.hello_listeners.append(api.preload_tokenizer)
     views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,
                         lambda: api.tokenizer_ready)
-    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API] = (
-        cfg, state, dispatcher, supervisor, api)
+    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API], app[VIEWS] = (
+        cfg, state, dispatcher, supervisor, api, views)
 
     async def admin_restart(request: web.Request) -> web.Response:
         api.check_auth(request)
@@ -78,6 +84,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     app.router.add_get("/v1/memory", views.memory)
     app.router.add_get("/metrics", views.metrics_text)
     app.router.add_get("/", views.page)
+    app.router.add_get("/static/{name}", views.static)
+    app.router.add_get("/status", views.status)
     app.router.add_post("/admin/workers/restart", admin_restart)
     app.cleanup_ctx.append(_background)
     return app
@@ -88,7 +96,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher, supervisor = app[DISPATCHER], app[SUPERVISOR]
     await dispatcher.start()
     await supervisor.start()
+    sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
+    sampler.cancel()
+    await asyncio.gather(sampler, return_exceptions=True)
     await supervisor.stop()
     await dispatcher.stop()
     app[API].pool.shutdown(wait=False, cancel_futures=True)
