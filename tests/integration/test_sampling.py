@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.integration.conftest import Router, start_router
@@ -27,61 +28,68 @@ def router(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterat
     r.stop()
 
 
-def tokens(router: Router, **kw: Any) -> list[str]:
+@pytest.fixture(scope="module")
+def client(router: Router) -> Iterator[openai.OpenAI]:
+    """One client (thread-safe) for the module, closed at its end."""
+    with router.client() as c:
+        yield c
+
+
+def tokens(client: openai.OpenAI, **kw: Any) -> list[str]:
     """The generated tokens (as strings, from logprobs) of one completion."""
     body: dict[str, Any] = {"max_tokens": N_TOKENS, "ignore_eos": True, **kw.pop("extra", {})}
-    r = router.client().completions.create(model="m", prompt=PROMPT, logprobs=0,
-                                           extra_body=body, **kw)
+    r = client.completions.create(model="m", prompt=PROMPT, logprobs=0, extra_body=body, **kw)
     lp = r.choices[0].logprobs
     assert lp is not None and lp.tokens is not None
     return lp.tokens
 
 
-def test_top_k_1_is_greedy(router: Router) -> None:
-    greedy = tokens(router, temperature=0)
-    assert tokens(router, temperature=1.5, extra={"top_k": 1}, seed=1) == greedy
-    assert tokens(router, temperature=1.5, extra={"min_p": 1.0}, seed=2) == greedy
-    assert tokens(router, temperature=1.5, top_p=1e-6, seed=3) == greedy
+def test_top_k_1_is_greedy(client: openai.OpenAI) -> None:
+    greedy = tokens(client, temperature=0)
+    assert tokens(client, temperature=1.5, extra={"top_k": 1}, seed=1) == greedy
+    assert tokens(client, temperature=1.5, extra={"min_p": 1.0}, seed=2) == greedy
+    assert tokens(client, temperature=1.5, top_p=1e-6, seed=3) == greedy
 
 
-def test_high_temperature_without_filters_is_not_greedy(router: Router) -> None:
+def test_high_temperature_without_filters_is_not_greedy(client: openai.OpenAI) -> None:
     """The control for the test above: the same seeds do sample away from greedy."""
-    greedy = tokens(router, temperature=0)
-    assert any(tokens(router, temperature=1.5, seed=s) != greedy for s in (1, 2, 3))
+    greedy = tokens(client, temperature=0)
+    assert any(tokens(client, temperature=1.5, seed=s) != greedy for s in (1, 2, 3))
 
 
-def test_logit_bias_forces_one_token(router: Router) -> None:
-    out = tokens(router, temperature=1.0, seed=5, extra={"logit_bias": {"300": 100}})
-    first = tokens(router, temperature=0, extra={"logit_bias": {"300": 100}, "max_tokens": 1})
+def test_logit_bias_forces_one_token(client: openai.OpenAI) -> None:
+    out = tokens(client, temperature=1.0, seed=5, extra={"logit_bias": {"300": 100}})
+    first = tokens(client, temperature=0, extra={"logit_bias": {"300": 100}, "max_tokens": 1})
     assert len(out) == N_TOKENS and set(out) == set(first)
 
 
 @pytest.mark.parametrize("penalty", [{"repetition_penalty": 2.0},
                                      {"presence_penalty": 2.0},
                                      {"frequency_penalty": 2.0}])
-def test_penalties_change_a_repetitive_greedy_output(router: Router, penalty: dict[str, Any]) -> None:
+def test_penalties_change_a_repetitive_greedy_output(client: openai.OpenAI,
+                                                    penalty: dict[str, Any]) -> None:
     body = {"max_tokens": 48, "repetition_context_size": 48, "presence_context_size": 48,
             "frequency_context_size": 48}
-    greedy = tokens(router, temperature=0, extra=body)
+    greedy = tokens(client, temperature=0, extra=body)
     assert len(set(greedy)) < len(greedy)  # the random model repeats itself
-    penalised = tokens(router, temperature=0, extra={**body, **penalty})
+    penalised = tokens(client, temperature=0, extra={**body, **penalty})
     assert penalised != greedy
     assert len(set(penalised)) > len(set(greedy))
 
 
-def test_seed_is_the_same_alone_and_in_a_busy_batch(router: Router) -> None:
+def test_seed_is_the_same_alone_and_in_a_busy_batch(client: openai.OpenAI) -> None:
     big = 2**64 - 5  # the whole 64-bit range is a seed
-    alone = tokens(router, temperature=1.0, seed=big)
-    other = tokens(router, temperature=1.0, seed=big - 1)
+    alone = tokens(client, temperature=1.0, seed=big)
+    other = tokens(client, temperature=1.0, seed=big - 1)
     assert other != alone
 
     def busy(i: int) -> list[str]:
-        return tokens(router, temperature=1.0, extra={"max_tokens": 24, "top_k": 5 + i,
+        return tokens(client, temperature=1.0, extra={"max_tokens": 24, "top_k": 5 + i,
                                                       "presence_penalty": 0.5})
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         noise = [pool.submit(busy, i) for i in range(5)]
-        again = pool.submit(tokens, router, temperature=1.0, seed=big)
+        again = pool.submit(tokens, client, temperature=1.0, seed=big)
         assert again.result(timeout=120) == alone
         for f in noise:
             f.result(timeout=120)
@@ -124,8 +132,7 @@ def check_chat_entries(content: list[Any], k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [0, 5, 20])
-def test_chat_logprobs_streamed_and_not(router: Router, k: int) -> None:
-    client = router.client()
+def test_chat_logprobs_streamed_and_not(client: openai.OpenAI, k: int) -> None:
     kw: dict[str, Any] = dict(model="m", messages=MESSAGES, max_tokens=N_TOKENS, temperature=0,
                               logprobs=True, top_logprobs=k, extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(**kw)
@@ -142,14 +149,13 @@ def test_chat_logprobs_streamed_and_not(router: Router, k: int) -> None:
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in lp.content]
 
 
-def test_chat_without_logprobs_has_none(router: Router) -> None:
-    r = router.client().chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+def test_chat_without_logprobs_has_none(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert r.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_completion_logprobs_streamed_and_not(router: Router, k: int) -> None:
-    client = router.client()
+def test_completion_logprobs_streamed_and_not(client: openai.OpenAI, k: int) -> None:
     kw: dict[str, Any] = dict(model="m", prompt=PROMPT, max_tokens=N_TOKENS, temperature=0,
                               logprobs=k, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kw)
@@ -174,8 +180,8 @@ def test_completion_logprobs_streamed_and_not(router: Router, k: int) -> None:
 # -- n and several prompts -----------------------------------------------------------
 
 
-def test_chat_n_3(router: Router) -> None:
-    r = router.client().chat.completions.create(model="m", messages=MESSAGES, n=3, max_tokens=8,
+def test_chat_n_3(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=MESSAGES, n=3, max_tokens=8,
                                                 seed=11, extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in r.choices)
@@ -183,8 +189,8 @@ def test_chat_n_3(router: Router) -> None:
     assert len({c.message.content for c in r.choices}) > 1  # each choice its own seed
 
 
-def test_chat_n_3_streamed(router: Router) -> None:
-    stream = router.client().chat.completions.create(
+def test_chat_n_3_streamed(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
         model="m", messages=MESSAGES, n=3, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     texts: dict[int, str] = {}
@@ -206,8 +212,7 @@ def test_n_above_the_limit_is_a_400(router: Router) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
-def test_two_prompts_two_choices(router: Router) -> None:
-    client = router.client()
+def test_two_prompts_two_choices(client: openai.OpenAI) -> None:
     prompts = ["Once upon a time", "def add(a, b):"]
     r = client.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
