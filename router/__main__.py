@@ -14,6 +14,7 @@ from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
+from router.access import BadHttpLogFilter, load_api_keys
 from router.app import API, STATE, SUPERVISOR, make_app
 
 log = logging.getLogger("router")
@@ -29,8 +30,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.service import run_command
 
         return run_command(args, env)
+    if args and args[0] == "keys":
+        from router.keys import run_command as run_keys
+
+        return run_keys(args[1:], env)
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
+        api_keys = load_api_keys(cfg)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
         lock = ipc.lock_addr(addr)
@@ -38,16 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(2, args)
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
+    logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
     try:
-        return asyncio.run(serve(cfg, addr, env))
+        return asyncio.run(serve(cfg, addr, env, api_keys))
     finally:
         if lock is not None:
             lock.close()
 
 
-async def serve(cfg: RouterConfig, addr: str, env: dict[str, str]) -> int:
-    app = make_app(cfg, addr, env)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: list[str]) -> int:
+    app = make_app(cfg, addr, env, api_keys=api_keys)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.idle_timeout_s,
+                           max_line_size=cfg.max_header_bytes, max_field_size=cfg.max_header_bytes)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     try:

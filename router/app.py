@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from common.config import RouterConfig
+from router import access
+from router.access import AccessPolicy
 from router.api import Api, error_middleware
 from router.backlog import Backlog
 from router.dispatch import Dispatcher
+from router.limits import Limits
+from router.openapi import build_spec
 from router.status import Metrics, StatusViews
 from router.supervisor import SpawnSpec, Supervisor
 
@@ -45,27 +49,45 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
         argv += ["--oom-guard", cfg.oom_guard]
     if cfg.unsafe_no_admission:
         argv.append("--unsafe-no-admission")
+    if cfg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if cfg.curve_secret_key and addr.startswith("tcp://"):
+        # The spawned worker uses the router's own keypair, which the router authorizes.
+        argv += ["--curve-server-key", cfg.curve_secret_key, "--curve-secret-key", cfg.curve_secret_key]
     return argv + list(cfg.worker_arg)
 
 
-def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+def worker_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The spawned worker's environment, without the router's secrets."""
+    return {k: v for k, v in env.items() if k not in ("MLX_ROUTER_API_KEY",)}
+
+
+def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
+             api_keys: Sequence[str]) -> web.Application:
+    """The router's app. ``api_keys`` come from ``access.load_api_keys(cfg)``, read in main()."""
+    policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
+    app = web.Application(middlewares=[error_middleware, access.make_access_middleware(policy)],
+                          client_max_size=cfg.max_body_bytes)
+    app.on_response_prepare.append(access.make_cors_signal(policy))
     state = RouterState()
     metrics = Metrics()
     dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics)
-    spawn = SpawnSpec(worker_argv(cfg, addr), dict(env)) if cfg.worker_mode == "spawn" else None
+    spawn = SpawnSpec(worker_argv(cfg, addr), worker_env(env)) if cfg.worker_mode == "spawn" else None
     supervisor = Supervisor(dispatcher, spawn, metrics)
     api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,
               default_max_tokens=cfg.default_max_tokens, queue_timeout_s=cfg.queue_timeout_s,
-              api_key=cfg.api_key, is_draining=lambda: state.draining)
+              limits=Limits.from_config(cfg), is_draining=lambda: state.draining,
+              trust_remote_code=cfg.trust_remote_code)
     dispatcher.hello_listeners.append(api.preload_tokenizer)
+    warnings = access.exposure_warnings(cfg, policy)
+    for warning in warnings:
+        log.warning("%s", warning)
     views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,
-                        lambda: api.tokenizer_ready)
+                        lambda: api.tokenizer_ready, warnings)
     app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API] = (
         cfg, state, dispatcher, supervisor, api)
 
     async def admin_restart(request: web.Request) -> web.Response:
-        api.check_auth(request)
         supervisor.restart_now()
         return web.json_response({"status": "restarting", "workers": [supervisor.describe()]})
 
@@ -76,7 +98,12 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     app.router.add_get("/v1/memory", views.memory)
     app.router.add_get("/metrics", views.metrics_text)
     app.router.add_get("/", views.page)
+    async def openapi(request: web.Request) -> web.Response:
+        link = dispatcher.link
+        return web.json_response(build_spec(api.limits, link.hello.context_length if link else None))
+
     app.router.add_post("/admin/workers/restart", admin_restart)
+    app.router.add_get("/openapi.json", openapi)
     app.cleanup_ctx.append(_background)
     return app
 

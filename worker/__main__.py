@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker.loader import LoadError, load_model  # imports mlx: after config is good
 
     try:
-        loaded = load_model(cfg.model, env)
+        loaded = load_model(cfg.model, env, trust_remote_code=cfg.trust_remote_code)
     except LoadError as exc:
         log.error("model failed to load: %s", exc)
         return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
