@@ -50,11 +50,11 @@ GENERATION_ERRORS = (400, 401, 403, 408, 413, 429, 503)
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("post", "/v1/chat/completions", "OpenAI chat completion, streamed (SSE) or not",
              {200: ("The completion; with stream=true, SSE chunks ending in data: [DONE]",
-                    {**json_of("ChatCompletion"), SSE: {"schema": {"type": "string"}}})},
+                    {**json_of("ChatCompletion"), SSE: {"schema": ref("SseEvent")}})},
              request="ChatCompletionRequest", errors=GENERATION_ERRORS),
     Endpoint("post", "/v1/completions", "OpenAI text completion, streamed (SSE) or not",
              {200: ("The completion; with stream=true, SSE chunks ending in data: [DONE]",
-                    {**json_of("Completion"), SSE: {"schema": {"type": "string"}}})},
+                    {**json_of("Completion"), SSE: {"schema": ref("SseEvent")}})},
              request="CompletionRequest", errors=GENERATION_ERRORS),
     Endpoint("get", "/v1/models", "The served model", {200: ("Models", json_of("ModelList"))}),
     Endpoint("get", "/v1/memory", "The worker's latest memory report",
@@ -169,6 +169,9 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": {"type": "integer"}, "text": {"type": "string"},
                 "finish_reason": finish}}}}},
+        "SseEvent": {"type": "object", "required": ["data"], "description":
+                     "One server-sent event: a chunk as JSON, an error event, or [DONE]",
+                     "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"},
             "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
