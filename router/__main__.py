@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from common.config import RouterConfig, env_snapshot, load, permanent_exit
+from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
         api_keys = load_api_keys(cfg)
+        link_keys = load_server_keys(cfg.curve_secret_key, cfg.curve_authorized_keys)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
         lock = ipc.lock_addr(addr)
@@ -46,14 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
     logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
     try:
-        return asyncio.run(serve(cfg, addr, env, api_keys))
+        return asyncio.run(serve(cfg, addr, env, api_keys, link_keys))
     finally:
         if lock is not None:
             lock.close()
 
 
-async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: list[str]) -> int:
-    app = make_app(cfg, addr, env, api_keys=api_keys)
+async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: list[str],
+                link_keys: ServerKeys | None) -> int:
+    app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=cfg.idle_timeout_s,
                            max_line_size=cfg.max_header_bytes, max_field_size=cfg.max_header_bytes)

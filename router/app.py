@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from common.config import RouterConfig
+from common.curve import ServerKeys
 from router import access
 from router.access import AccessPolicy
 from router.api import Api, error_middleware
 from router.backlog import Backlog
+from router.curve import CurveServer
 from router.dispatch import Dispatcher
 from router.limits import Limits
 from router.openapi import build_spec
@@ -63,15 +65,17 @@ def worker_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
-             api_keys: Sequence[str]) -> web.Application:
-    """The router's app. ``api_keys`` come from ``access.load_api_keys(cfg)``, read in main()."""
+             api_keys: Sequence[str], link_keys: ServerKeys | None) -> web.Application:
+    """The router's app. Keys are read in main(), where a bad file is a clear ConfigError:
+    ``api_keys`` from ``access.load_api_keys``, ``link_keys`` from ``curve.load_server_keys``."""
     policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
     app = web.Application(middlewares=[error_middleware, access.make_access_middleware(policy)],
                           client_max_size=cfg.max_body_bytes)
     app.on_response_prepare.append(access.make_cors_signal(policy))
     state = RouterState()
     metrics = Metrics()
-    dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics)
+    dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics,
+                            curve=CurveServer(link_keys, metrics) if link_keys else None)
     spawn = SpawnSpec(worker_argv(cfg, addr), worker_env(env)) if cfg.worker_mode == "spawn" else None
     supervisor = Supervisor(dispatcher, spawn, metrics)
     api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,

@@ -54,6 +54,9 @@ class Metrics:
         self.slow_readers = Counter("headroom_slow_readers",
                                     "Streams dropped because their client stopped reading.",
                                     registry=r)
+        self.refused_handshakes = Counter(
+            "headroom_refused_handshakes", "Worker connections refused by CURVE, by reason.",
+            ["reason"], registry=r)
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
         self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
                             ["field"], registry=r)

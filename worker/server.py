@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from common import costmodel
+from common.curve import ClientKeys
 from common.errors import ProtocolError
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
@@ -61,10 +62,14 @@ class ServerOptions:
     max_running: int
     vocab_size: int
     wedge_after_steps: int | None = None
+    curve: ClientKeys | None = None     # CURVE keys for a tcp:// router
 
 
-def make_socket(ctx: zmq.Context, addr: str, identity: bytes) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, addr: str, identity: bytes,
+                curve: ClientKeys | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(sock)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -87,7 +92,7 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         opts = self._server.opts
-        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode())
+        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode(), opts.curve)
         try:
             while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
                 engine = self._server.engine
@@ -110,7 +115,7 @@ class WorkerServer:
         self.memory = memory
         self.hello = hello
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode())
+        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
         self.stop_reason: str | None = None
         self.num_bad_frames = 0

@@ -86,9 +86,10 @@ def test_the_right_key_in_either_header(guarded: Router, headers: dict[str, str]
 
 
 def test_openai_client_with_and_without_the_key(guarded: Router) -> None:
-    with pytest.raises(openai.AuthenticationError):
-        guarded.client(api_key="nope").models.list()
-    ok = guarded.client(api_key=KEY).chat.completions.create(model="m", messages=USER, max_tokens=2)
+    with guarded.client(api_key="nope") as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with guarded.client(api_key=KEY) as client:
+        ok = client.chat.completions.create(model="m", messages=USER, max_tokens=2)
     assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 

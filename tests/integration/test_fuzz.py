@@ -72,7 +72,8 @@ def bodies() -> st.SearchStrategy[Any]:
 def alive_and_serving(router: Router, pid: int) -> None:
     assert router.popen.poll() is None, router.log()
     assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0
-    r = router.client(api_key=KEY).completions.create(model="m", prompt="ok", max_tokens=2)
+    with router.client(api_key=KEY) as client:
+        r = client.completions.create(model="m", prompt="ok", max_tokens=2)
     assert r.usage is not None and r.usage.completion_tokens == 2
 
 

@@ -13,7 +13,7 @@ from router.openapi import ENDPOINTS, build_spec
 @pytest.fixture
 async def app_routes() -> set[tuple[str, str]]:
     app = make_app(RouterConfig(model="demo", worker_mode="external", worker_addr="ipc:///tmp/x.sock"),
-                   "ipc:///tmp/x.sock", {}, api_keys=["k"])
+                   "ipc:///tmp/x.sock", {}, api_keys=["k"], link_keys=None)
     routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
               if r.resource is not None and r.method != "HEAD"}
     await app[DISPATCHER].stop()
