@@ -103,6 +103,23 @@ def test_health_is_open_and_tells_nothing_private(guarded: Router) -> None:
         assert raw(guarded, "GET", path).status_code == 200, path
 
 
+def test_no_request_text_and_no_key_in_the_log(guarded: Router) -> None:
+    marker = "PRIVATE-PROMPT-7f3a"
+    for path, body in [
+        (CHAT, {"messages": [{"role": "user", "content": marker}], "max_tokens": 2}),
+        (COMPLETIONS, {"prompt": marker, "max_tokens": 2, "stream": True}),
+        (CHAT, {"messages": [{"role": marker, "content": "x"}]}),             # refused: role
+        (COMPLETIONS, {"prompt": "hi", "stop": [marker] * 9}),                   # refused: stop
+        (COMPLETIONS, {"prompt": marker * 40, "max_tokens": 1}),                 # refused: length
+    ]:
+        raw(guarded, "POST", path, AUTH, body)
+    raw(guarded, "GET", "/v1/models", {"Authorization": f"Bearer {marker}"})
+    wait_until(lambda: "refused on /v1/completions: 400 context_length_exceeded" in guarded.log(),
+               10, "the last refusal to be logged")
+    log = guarded.log_path.read_text(errors="replace")
+    assert marker not in log and KEY not in log
+
+
 def test_warning_when_bound_off_loopback_without_a_key(tmp_path: Path, cache_home: Path) -> None:
     r = Router(tmp_path, cache_home, "--host", "0.0.0.0", "--worker-mode", "external")
     try:
