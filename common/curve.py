@@ -17,8 +17,8 @@ from typing import Any
 
 from common.errors import ConfigError
 
-__all__ = ["KeyPair", "ClientKeys", "ServerKeys", "load_server_keys", "read_public_key", "read_keypair", "read_authorized_keys",
-           "format_key_file", "load_client_keys"]
+__all__ = ["KeyPair", "ClientKeys", "ServerKeys", "load_server_keys", "load_client_keys",
+           "read_public_key", "read_keypair", "read_authorized_keys", "format_key_file"]
 
 Z85_KEY_CHARS = 40
 _Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
@@ -62,7 +62,8 @@ def _read(path: Path, what: str) -> dict[str, bytes]:
     for line in text.splitlines():
         if match := _LINE.match(line):
             if not _Z85.match(match.group(2)):
-                raise ConfigError(f"{what} {path}: {match.group(1)} is not a {Z85_KEY_CHARS}-character Z85 key")
+                raise ConfigError(f"{what} {path}: {match.group(1)} is not a "
+                                  f"{Z85_KEY_CHARS}-character Z85 key")
             keys[match.group(1)] = match.group(2).encode()
     if "public-key" not in keys:
         raise ConfigError(f"{what} {path}: no public-key line (make one with: mlx-router keys generate)")
@@ -96,22 +97,28 @@ def read_authorized_keys(folder: str | Path) -> frozenset[bytes]:
     return keys
 
 
+def _both_or_neither(first: tuple[str, str | None], second: tuple[str, str | None]) -> bool:
+    """True when both flags are given, False when neither; one alone is a ConfigError."""
+    if bool(first[1]) != bool(second[1]):
+        raise ConfigError(f"give both {first[0]} and {second[0]}, or neither")
+    return bool(first[1])
+
+
 def load_client_keys(server_key: str | None, secret_key: str | None) -> ClientKeys | None:
     """A worker's CURVE keys from its flags, or None when it has none (ipc://)."""
-    if not server_key and not secret_key:
+    if not _both_or_neither(("--curve-server-key", server_key), ("--curve-secret-key", secret_key)):
         return None
-    if not (server_key and secret_key):
-        raise ConfigError("give both --curve-server-key and --curve-secret-key, or neither")
+    assert server_key and secret_key
     return ClientKeys(server_public=read_public_key(server_key, "--curve-server-key"),
                       own=read_keypair(secret_key, "--curve-secret-key"))
 
 
 def load_server_keys(secret_key: str | None, authorized: str | None) -> ServerKeys | None:
     """The router's CURVE keys from its flags, or None when it has none."""
-    if not secret_key and not authorized:
+    if not _both_or_neither(("--curve-secret-key", secret_key),
+                            ("--curve-authorized-keys", authorized)):
         return None
-    if not (secret_key and authorized):
-        raise ConfigError("give both --curve-secret-key and --curve-authorized-keys, or neither")
+    assert secret_key and authorized
     return ServerKeys(own=read_keypair(secret_key, "--curve-secret-key"),
                       authorized=read_authorized_keys(authorized))
 

@@ -21,14 +21,14 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import (
-    BadRequest, ConfigError, HeadroomError, NoWorker, PayloadTooLarge, QueueTimeout, RequestQuarantined,
-    ProtocolError, RequestTimeout,
+    BadRequest, ConfigError, HeadroomError, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
+    RequestQuarantined, RequestTimeout,
 )
-from router import admission, limits
+from router import admission
 from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, TokenEvent
-from router.limits import Limits
+from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import Collector, Formatter
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
@@ -149,9 +149,9 @@ class Api:
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
             body = await self._json(request)
-            limits.check_body(body, self.limits)
+            check_body(body, self.limits)
             parsed = parse(body, self.default_max_tokens)
-            limits.check_max_tokens(parsed.sampling.max_tokens, self.limits)
+            check_max_tokens(parsed.sampling.max_tokens, self.limits)
             job = await self._admit(parsed, arrived)
             response = await self._run(request, parsed, job)
             status = response.status
@@ -230,8 +230,8 @@ class Api:
                                                 parsed.sampling.max_tokens)
         if error is None:
             ids = await self._tokenize(tokenizer, parsed)
-            limits.check_prompt_tokens(len(ids), self.limits,
-                                       "messages" if parsed.messages is not None else "prompt")
+            check_prompt_tokens(len(ids), self.limits,
+                                "messages" if parsed.messages is not None else "prompt")
             error = admission.check_ever(link.model, link.hello.admission, len(ids),
                                          parsed.sampling.max_tokens)
         if error is not None:

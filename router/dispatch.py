@@ -20,8 +20,8 @@ import zmq.asyncio
 
 from common.costmodel import CostModel
 from common.errors import (
-    BadRequest, ConfigError, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker, ProtocolError,
-    QueueTimeout, RequestQuarantined, WorkerLost,
+    BadRequest, ConfigError, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker,
+    ProtocolError, QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, FinishReason, Generate, Heartbeat, Hello,

@@ -78,7 +78,8 @@ def test_curve_link(tmp_path: Path, cache_home: Path) -> None:
     try:
         router.wait_answering()
         server_public = read_public_key(keys / "router.key")
-        stranger, fake = read_keypair(keys / "stranger.key_secret"), read_keypair(keys / "fake-router.key_secret")
+        stranger = read_keypair(keys / "stranger.key_secret")
+        fake = read_keypair(keys / "fake-router.key_secret")
         ok = read_keypair(keys / "worker.key_secret")
         knock(router, addr, 4001)  # no CURVE at all
         knock(router, addr, 4002, curve_serverkey=fake.public, curve_publickey=ok.public,

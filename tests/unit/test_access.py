@@ -98,3 +98,9 @@ def test_warning_when_exposed_without_a_key() -> None:
     assert exposure_warnings(open_cfg, AccessPolicy.build(["k"], "0.0.0.0", (), ())) == []
     local = RouterConfig(model="m")
     assert exposure_warnings(local, AccessPolicy.build((), "127.0.0.1", (), ())) == []
+
+
+def test_the_spawned_worker_does_not_inherit_the_api_key() -> None:
+    from router.app import worker_env
+
+    assert worker_env({"MLX_ROUTER_API_KEY": "k", "PATH": "/bin"}) == {"PATH": "/bin"}
