@@ -196,6 +196,8 @@ class WorkerConfig:
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
     test_wedge_after_steps: int | None = opt(
         None, "Test only: wedge the engine loop after N steps.", hidden=True)
+    test_grow_scale: float | None = opt(
+        None, "Test only: SIGUSR1 grows the cost model's scale by this factor.", hidden=True)
 
     def __post_init__(self) -> None:
         _check_common(self)

@@ -22,6 +22,7 @@ __all__ = [
     "roundup",
     "batch_kv_bytes",
     "prefill_transient_bytes",
+    "forward_transient_bytes",
     "growth_spike_bytes",
     "copy_spike_bytes",
     "request_cost_bytes",
@@ -56,9 +57,13 @@ class CostModel:
 
     kv_bytes_per_token: int
     num_layers: int
-    # Prefill transient per row ≈ a·chunk + c·chunk·context (activations, attention scores).
+    # Transient of one forward ≈ b + Σ rows (a·chunk + c·chunk·context): b is fixed per
+    # forward whatever its length (e.g. a weight dequantized for a large matmul on CUDA,
+    # measured at ~117 MB on an 8B 4-bit model), a per token (activations, a logits row),
+    # c per token per context token (attention scores). A decode row is a chunk of one.
     prefill_a_bytes: float
     prefill_c_bytes: float
+    prefill_b_bytes: float = 0.0
     # Fraction of one layer's old cache that coexists with the new one when a cache grows.
     growth_factor: float = 1.0
     # When rows join or leave a batch, mlx-lm copies the whole batch cache (concatenate on
@@ -86,9 +91,21 @@ def batch_kv_bytes(rows: int, longest_tokens: int, kv_per_token: int) -> int:
 
 
 def prefill_transient_bytes(m: CostModel, chunk_tokens: int, context_tokens: int, rows: int = 1) -> int:
-    """Working memory of one prefill chunk (freed at the end of the step)."""
+    """Per-token working memory of one prefill chunk over ``rows`` rows (freed at the end of
+    the step); the fixed per-forward part is ``forward_transient_bytes``'s."""
     per_row = m.prefill_a_bytes * chunk_tokens + m.prefill_c_bytes * chunk_tokens * context_tokens
     return int(rows * per_row)
+
+
+def forward_transient_bytes(m: CostModel, *, chunk_tokens: int, context_tokens: int,
+                            prefill_rows: int, decode_rows: int, decode_context: int) -> int:
+    """One step's transient: the fixed per-forward term, the prefill chunk, and every
+    decoding row as a chunk of one token over its context."""
+    if prefill_rows + decode_rows == 0:
+        return 0
+    return int(m.prefill_b_bytes
+               + prefill_transient_bytes(m, chunk_tokens, context_tokens, prefill_rows)
+               + prefill_transient_bytes(m, 1, decode_context, decode_rows))
 
 
 def growth_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
@@ -110,23 +127,25 @@ def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int) -> int
     chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
     return int(m.scale * (
         batch_kv_bytes(1, total, m.kv_bytes_per_token)
-        + prefill_transient_bytes(m, chunk, prompt_tokens)
+        + forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
+                                  prefill_rows=1, decode_rows=0, decode_context=0)
         + growth_spike_bytes(m, 1, total)
     ))
 
 
 def batch_cost_bytes(m: CostModel, rows: int, longest_tokens: int, chunk_tokens: int,
                      prefill_rows: int, context_tokens: int) -> int:
-    """Worst case of a batch: every row padded to the longest, plus one prefill chunk, plus
-    the larger of a growth step and a whole-batch copy (they do not happen in one step)."""
+    """Worst case of a batch: every row padded to the longest, plus one step's forward
+    (a prefill chunk over ``prefill_rows``, the other rows decoding), plus the larger of a
+    growth step and a whole-batch copy (they do not happen in one step)."""
     if rows == 0:
         return 0
     spike = max(growth_spike_bytes(m, rows, longest_tokens), copy_spike_bytes(m, rows, longest_tokens))
-    return int(m.scale * (
-        batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token)
-        + prefill_transient_bytes(m, chunk_tokens, context_tokens, prefill_rows)
-        + spike
-    ))
+    prefill_rows = min(prefill_rows, rows) if chunk_tokens > 0 else 0
+    transient = forward_transient_bytes(m, chunk_tokens=chunk_tokens, context_tokens=context_tokens,
+                                        prefill_rows=prefill_rows, decode_rows=rows - prefill_rows,
+                                        decode_context=longest_tokens)
+    return int(m.scale * (batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token) + transient + spike))
 
 
 def never_fits(m: CostModel, prompt_tokens: int, max_tokens: int) -> bool:
@@ -151,11 +170,13 @@ def max_request_tokens(m: CostModel) -> int:
 
 
 def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows: int = 1) -> int:
-    """Largest chunk whose transient fits in ``free_bytes``; never above the static step."""
+    """Largest chunk whose transient fits in ``free_bytes``; never above the static step.
+
+    The fixed per-forward term is paid whatever the chunk, so it comes off first."""
     per_token = rows * (m.prefill_a_bytes + m.prefill_c_bytes * max(context_tokens, 1))
     if per_token <= 0:
         return m.prefill_step_tokens
-    chunk = int(free_bytes // per_token)
+    chunk = int(max(0.0, free_bytes - m.prefill_b_bytes) // per_token)
     return min(m.prefill_step_tokens, max(MIN_CHUNK_TOKENS, chunk))
 
 
@@ -172,7 +193,9 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     old_worst = 0
     if running_totals:
         old_worst = batch_cost_bytes(m, len(running_totals), max(running_totals), 0, 0, 0)
-    new_worst = batch_cost_bytes(m, len(running_totals) + 1, max(running_totals + [total]),
-                                 chunk, prefill_rows + 1, prompt_tokens)
+    longest = max(running_totals + [total])
+    # The chunk's rows may include older, longer prompts: charge it at the longest context.
+    new_worst = batch_cost_bytes(m, len(running_totals) + 1, longest, chunk, prefill_rows + 1,
+                                 longest if running_totals else prompt_tokens)
     fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
     return fits, new_worst

@@ -57,6 +57,7 @@ class ExitCode:
     NO_MEMORY = 4           # cannot serve even a minimal request: will fail again
     UNTRUSTED_STATE = 5     # a caught memory error left state we cannot trust: restart
     PROTOCOL_MISMATCH = 6   # the router speaks another protocol version: never restart
+    ENGINE_ERROR = 7        # a step raised something other than a memory error: a bug; restart
 
     # Exits that say "the same start will fail the same way".
     PERMANENT = frozenset({CONFIG_ERROR, LOAD_ERROR, NO_MEMORY, PROTOCOL_MISMATCH})

@@ -7,6 +7,7 @@ A job re-queued after a worker death or a stale-view reject goes back to the fro
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from common.errors import QueueFull
 from router.job import Job, JobState
@@ -42,6 +43,13 @@ class Backlog:
 
     def remove(self, request_id: str) -> bool:
         return self.waiting.pop(request_id, None) is not None
+
+    def remove_where(self, doomed: Callable[[Job], bool]) -> list[Job]:
+        """Remove and return every waiting job for which ``doomed`` is true, in order."""
+        gone = [job for job in self.waiting.values() if doomed(job)]
+        for job in gone:
+            del self.waiting[job.request_id]
+        return gone
 
     def expired(self, now: float) -> list[Job]:
         """Remove and return every job whose deadline has passed."""

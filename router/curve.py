@@ -52,15 +52,21 @@ class CurveServer:
         self._task: asyncio.Task[None] | None = None
         self._logged_at = -LOG_EVERY_S
 
-    def secure(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
-        """Call before ``bind``."""
-        self._auth = AsyncioAuthenticator(ctx)
+    def secure(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """Call before ``bind``, from the event loop."""
+        # The ZAP handler and the monitor must live in the socket's own libzmq context
+        # (both are inproc endpoints); an asyncio shadow of it lets them run on the loop.
+        actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        self._auth = AsyncioAuthenticator(actx)
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.authorized))
         sock.curve_server = True
         sock.curve_publickey = self.keys.public
         sock.curve_secretkey = self.keys.secret
-        self._monitor = sock.get_monitor_socket(events=sum(REFUSALS))
+        addr = f"inproc://headroom-curve-monitor-{id(self)}"
+        sock.monitor(addr, sum(REFUSALS))
+        self._monitor = actx.socket(zmq.PAIR)
+        self._monitor.connect(addr)
         self._task = asyncio.create_task(self._watch(), name="curve-monitor")
 
     async def _watch(self) -> None:
@@ -78,14 +84,14 @@ class CurveServer:
                 log.warning("refused a worker connection (%s): it lacks the right CURVE keys "
                             "(%d refused so far)", reason, self.num_refused)
 
-    async def stop(self, sock: zmq.asyncio.Socket) -> None:
+    async def stop(self, sock: zmq.Socket) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._monitor is not None:
+            self._monitor.close(0)
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
-            self._monitor.close(0)
         if self._auth is not None:
             self._auth.stop()

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from common.costmodel import CostModel
 from common.errors import (
@@ -73,7 +72,8 @@ class Dispatcher:
     """Owns the socket, the backlog and the in-flight jobs of the current worker."""
 
     def __init__(self, addr: str, backlog: Backlog, metrics: Any,
-                 clock: Callable[[], float] = time.monotonic, curve: CurveServer | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 curve: CurveServer | None = None) -> None:
         self.addr = addr
         self.backlog = backlog
         self.metrics = metrics
@@ -87,7 +87,10 @@ class Dispatcher:
         self.ready = asyncio.Event()          # set while a worker has said hello
         self.unavailable: str | None = None   # why no worker will come (failed, draining)
         self.refused: dict[str, Any] | None = None  # the last worker refused for its version
-        self._ctx = zmq.asyncio.Context()
+        # A plain (synchronous) socket read from the event loop's reader callback: no
+        # Future per message or per wakeup on the token path, and a failed send raises
+        # here instead of in a Future nobody awaits.
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -95,6 +98,8 @@ class Dispatcher:
         self._sock.setsockopt(zmq.SNDHWM, 10_000)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -104,13 +109,17 @@ class Dispatcher:
         elif self.addr.startswith("tcp://"):  # config refuses it too; never bind it open
             raise ConfigError(f"refusing to bind {self.addr} without CURVE keys")
         self._sock.bind(self.addr)
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="dispatch-recv"),
-                       asyncio.create_task(self._expiry_loop(), name="dispatch-expiry")]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.FD, self._on_readable)
+        self._tasks = [asyncio.create_task(self._expiry_loop(), name="dispatch-expiry")]
+        self._on_readable()  # anything that arrived before the reader was registered
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.FD)
         if self.curve is not None:
             await self.curve.stop(self._sock)
         self._sock.close(0)
@@ -178,6 +187,7 @@ class Dispatcher:
             self._sock.send_multipart([link.identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or queue full
             log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc)
+        self._check_readable()
 
     # -- worker lifecycle ------------------------------------------------------------
 
@@ -227,20 +237,37 @@ class Dispatcher:
 
     # -- input -----------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        # Await one message, then drain what else is waiting through the synchronous shadow
-        # socket: one Future per wakeup instead of one per message (tokens arrive in bursts).
-        shadow = zmq.Socket.shadow(self._sock.underlying)
-        while True:
+    def _on_readable(self) -> None:
+        """Drain what is waiting, a bounded batch at a time so the loop is never starved.
+
+        ZeroMQ's FD is edge-triggered: it signals once for a batch and again only after
+        the socket was read dry (or its EVENTS were read), so a drain that stops early
+        schedules itself again, and a send checks EVENTS (``_check_readable``).
+        """
+        self._drain_scheduled = False
+        for _ in range(MAX_DRAIN):
             try:
-                self._on_frames(await self._sock.recv_multipart())
-                for _ in range(MAX_DRAIN):
-                    self._on_frames(shadow.recv_multipart(zmq.NOBLOCK))
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                continue
+                return
             except zmq.ZMQError as exc:
                 log.error("router socket error: %s", exc)
-                await asyncio.sleep(0.1)
+                return
+            self._on_frames(frames)
+        self._schedule_drain()
+
+    def _check_readable(self) -> None:
+        try:
+            readable = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return
+        if readable:
+            self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        if self._loop is not None and not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -289,7 +316,10 @@ class Dispatcher:
             link.status, link.status_at, link.held = msg.report, now, False
             if isinstance(msg.report.get("cost_model"), dict):
                 # The worker grows its model when it measures more than it predicted.
-                link.model = CostModel.from_dict(msg.report["cost_model"])
+                model = CostModel.from_dict(msg.report["cost_model"])
+                if model != link.model:
+                    link.model = model
+                    self.recheck_queued(link)
             self.pump()
         elif isinstance(msg, Heartbeat):
             # The stall clock runs only while work waits: it restarts when the counter moves
@@ -315,7 +345,25 @@ class Dispatcher:
         self.ready.set()
         for listener in self.hello_listeners:
             listener(hello)
+        self.recheck_queued(self.link)
         self.pump()
+
+    def recheck_queued(self, link: WorkerLink) -> None:
+        """The cost model, budget or limit changed: a queued request that can now never fit
+        is answered at once, never left to wait for a condition that cannot change."""
+        refused: dict[str, BadRequest] = {}
+
+        def never(job: Job) -> bool:
+            error = admission.check_ever(link.model, link.hello.admission, len(job.prompt_ids),
+                                         job.sampling.max_tokens)
+            if error is not None:
+                refused[job.request_id] = error
+            return error is not None
+
+        for job in self.backlog.remove_where(never):
+            log.info("%s: can no longer fit (cost model scale %.3f, budget %d B); refused",
+                     job.request_id, link.model.scale, link.model.budget_bytes)
+            job.fail(refused[job.request_id])
 
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         now = self.clock()

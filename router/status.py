@@ -60,6 +60,9 @@ class Metrics:
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
         self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
                             ["field"], registry=r)
+        self.cost_model = Gauge("headroom_cost_model", "The worker's cost model correction: "
+                                "scale (1 = the fitted model) and the worst measured/predicted step.",
+                                ["field"], registry=r)
 
 
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
@@ -149,6 +152,10 @@ class StatusViews:
                 value = link.status.get(name)
                 if isinstance(value, (int, float)):
                     m.memory.labels(field=name).set(value)
+            for name in ("scale", "worst_measured_over_predicted"):
+                value = link.status.get(name)
+                if isinstance(value, (int, float)):
+                    m.cost_model.labels(field=name).set(value)
 
     async def page(self, request: web.Request) -> web.Response:
         code, body = self.health_body(detailed=request.get(AUTHORIZED, False))

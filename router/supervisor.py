@@ -94,7 +94,8 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
                ExitCode.LOAD_ERROR: "the model failed to load",
                ExitCode.NO_MEMORY: "not enough memory for even a minimal request",
                ExitCode.UNTRUSTED_STATE: "memory error left untrusted state",
-               ExitCode.PROTOCOL_MISMATCH: "protocol version mismatch"}
+               ExitCode.PROTOCOL_MISMATCH: "protocol version mismatch",
+               ExitCode.ENGINE_ERROR: "engine error (a bug, not memory)"}
     return returncode, None, reasons.get(returncode, f"exited with code {returncode}")
 
 

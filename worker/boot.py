@@ -20,11 +20,16 @@ from worker.engine import Engine
 from worker.loader import LoadedModel, context_length
 from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
 from worker.server import ServerOptions, WorkerServer
+from worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 # Prompts prefilled together (mlx-lm's default).
 PREFILL_BATCH_SIZE = 8
+# Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
+# first kernels can take tens of seconds to compile, better before "ready" than after.
+WARMUP_BUDGET_S = {"cpu": 2.0}
+WARMUP_BUDGET_DEFAULT_S = 60.0
 
 
 class NotEnoughMemory(RuntimeError):
@@ -70,15 +75,28 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                                prefill_step_tokens=cfg.prefill_step_size,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
-    model, _ = calibrate(loaded.model, static, cache_dir=cache_dir, key=key)
+    # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
+    stretch = 1 if probe.device == "cpu" else 4
+    model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline)
+    memory.extra["calibration"] = {
+        "source": calibration.source, "seconds": round(calibration.seconds, 3),
+        "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),
+        "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
+        "kv_bytes_per_token": calibration.kv_bytes_per_token,
+        "holdout_measured_over_predicted": calibration.holdout_ratio}
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
+    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=cfg.prefill_step_size,
+                   max_batch=cfg.max_batch_size,
+                   budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
+    probe.clear_cache()
+    memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
     hello = Hello(
@@ -91,13 +109,17 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     opts = ServerOptions(router_addr=cfg.router, incarnation=incarnation,
                          oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
                          max_running=max_running, vocab_size=shape.vocab_size,
-                         wedge_after_steps=cfg.test_wedge_after_steps, curve=curve)
+                         wedge_after_steps=cfg.test_wedge_after_steps,
+                         grow_scale_on_signal=cfg.test_grow_scale, curve=curve)
     log.info("device %s, limit %d MiB, weights %d MiB, budget %d MiB, KV %d B/token, "
              "max request %d tokens, oom guard %s, admission %s",
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    return WorkerServer(opts, engine, memory, hello)
+    server = WorkerServer(opts, engine, memory, hello)
+    for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
+        server.pacer.observe(tokens, seconds)
+    return server
 
 
 def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:

@@ -1,15 +1,21 @@
 """The calibration probe: replay real chunked prefills, fit the cost model to what MLX uses.
 
 At startup (well under a second on the demo model) the probe prefills a single row in
-chunks at a few sizes and contexts through the model and mlx-lm's own ``BatchKVCache``,
-reads MLX's peak memory around each chunk, and fits
+chunks from a few tokens to the full step, at several contexts, through the model and
+mlx-lm's own ``BatchKVCache``, reads MLX's peak memory around each chunk, and fits
 
-    transient(chunk, context) ≈ a·chunk + c·chunk·context        (per prefill row)
+    transient(chunk, context) ≈ b + a·chunk + c·chunk·context
     kv_bytes_per_token        = cache bytes after 256 tokens / 256
 
+b is fixed per forward (on CUDA a 4-bit model dequantizes a large weight for a prefill
+matmul: ~117 MB on an 8B model, whatever the chunk). Without it a fit charges that per
+token and a long prompt is cut into tiny chunks. Samples that are not fitted are held out
+and their measured/predicted ratio is reported, so the fit is checked, not only made.
+
 The conservative fit sizes admission (the larger of measured-with-margin and static), and
-the prefill chunk is never raised above the static estimate. A probe that fails keeps the static model. Results are cached by
-model fingerprint, MLX version, device and limit, so a restart does not pay for it again.
+the prefill chunk is never raised above the static estimate. A probe that fails keeps the
+static model. Results are cached by model fingerprint, MLX version, device and limit, so a
+restart does not pay for it again.
 """
 
 from __future__ import annotations
@@ -27,13 +33,30 @@ from common.costmodel import CostModel
 
 log = logging.getLogger(__name__)
 
-# (chunk tokens, context tokens after the chunk): short and long contexts, small and big
-# chunks, so both terms of the transient are pinned down.
-# Kept small: attention on a CPU backend is slow, and the probe must stay near a second.
-PROBE_POINTS = ((32, 32), (64, 64), (64, 192), (128, 128))
+# Chunks prefilled one after another into one row's cache, so each is measured at the
+# context the earlier ones built (no prefix is computed just to be thrown away): tiny to
+# large chunks at short and long contexts, so the fixed, per-token and per-token×context
+# terms are told apart. ``stretch`` multiplies them on a fast device (up to the full step);
+# on a CPU backend they stay small, for the probe must stay near a second.
+PROBE_CHUNKS = (4, 32, 8, 96, 16)
+# Prefilled after those and not fitted: the fit's prediction error on these is reported.
+HOLDOUT_CHUNKS = (64, 24)
+
+
+def probe_points(chunks: tuple[int, ...], start: int = 0) -> tuple[tuple[int, int], ...]:
+    """(chunk, context after the chunk) for chunks prefilled in order from ``start``."""
+    points, context = [], start
+    for chunk in chunks:
+        context += chunk
+        points.append((chunk, context))
+    return tuple(points)
+
+
+PROBE_POINTS = probe_points(PROBE_CHUNKS)
+HOLDOUT_POINTS = probe_points(HOLDOUT_CHUNKS, PROBE_POINTS[-1][1])
 # Measured coefficients are used with this margin (MLX's allocator rounds buffers up).
 FIT_MARGIN = 1.15
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the fixed per-forward term
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +66,9 @@ class Calibration:
     kv_bytes_per_token: int
     seconds: float
     source: str                  # "probe", "cache" or "static"
+    prefill_b_bytes: float = 0.0
+    # Worst measured/predicted over the held-out samples (0: none measured).
+    holdout_ratio: float = 0.0
 
     def apply(self, static: CostModel) -> CostModel:
         """Size by the larger of the measured (with margin) and static coefficients.
@@ -52,6 +78,7 @@ class Calibration:
         """
         return dataclasses.replace(
             static,
+            prefill_b_bytes=max(static.prefill_b_bytes, self.prefill_b_bytes * FIT_MARGIN),
             prefill_a_bytes=max(static.prefill_a_bytes, self.prefill_a_bytes * FIT_MARGIN),
             prefill_c_bytes=max(static.prefill_c_bytes, self.prefill_c_bytes * FIT_MARGIN),
             kv_bytes_per_token=max(static.kv_bytes_per_token, self.kv_bytes_per_token),
@@ -70,7 +97,8 @@ def load_cached(cache_dir: Path, key: str) -> Calibration | None:
         cal = Calibration(**{**data, "source": "cache"})
     except (OSError, ValueError, TypeError):
         return None
-    numbers = (cal.prefill_a_bytes, cal.prefill_c_bytes, cal.kv_bytes_per_token, cal.seconds)
+    numbers = (cal.prefill_a_bytes, cal.prefill_c_bytes, cal.prefill_b_bytes,
+               cal.kv_bytes_per_token, cal.seconds, cal.holdout_ratio)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                for v in numbers):
         log.warning("ignoring a corrupt calibration cache %s", path)
@@ -88,29 +116,46 @@ def store(cache_dir: Path, key: str, cal: Calibration) -> None:
         log.warning("could not cache the calibration: %s", exc)
 
 
-def fit(points: list[tuple[int, int, float]]) -> tuple[float, float]:
-    """Least squares for transient = a·chunk + c·chunk·context over (chunk, context, bytes).
+def fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Non-negative least squares for transient = b + a·chunk + c·chunk·context over
+    (chunk, context, bytes) samples; returns (b, a, c).
 
-    Returns the conservative pair: each coefficient no lower than any single point implies
-    when the other term is taken at its fitted value.
+    Every subset of the three terms is solved and the best non-negative one kept (three
+    unknowns: the exact active-set answer, no iteration). Then b is raised until no sample
+    is above the fitted surface: the fit must bound every sample it was made from.
     """
-    s11 = sum(ch * ch for ch, _, _ in points)
-    s12 = sum(ch * ch * ctx for ch, ctx, _ in points)
-    s22 = sum((ch * ctx) ** 2 for ch, ctx, _ in points)
-    b1 = sum(ch * y for ch, _, y in points)
-    b2 = sum(ch * ctx * y for ch, ctx, y in points)
-    det = s11 * s22 - s12 * s12
-    if det <= 0:
-        raise ValueError("degenerate probe points")
-    a = (b1 * s22 - b2 * s12) / det
-    c = (s11 * b2 - s12 * b1) / det
-    a, c = max(a, 0.0), max(c, 0.0)
-    # Raise a until no point is above the fitted line: the fit must bound every sample.
-    worst = max((y - c * ch * ctx) / ch for ch, ctx, y in points)
-    return max(a, worst), c
+    import itertools
+
+    import numpy as np
+
+    if len({(ch, ctx) for ch, ctx, _ in points}) < 3:
+        raise ValueError("degenerate probe points: need three distinct (chunk, context)")
+    design = np.array([[1.0, ch, ch * ctx] for ch, ctx, _ in points])
+    y = np.array([v for _, _, v in points])
+    if np.linalg.matrix_rank(design) < 3:
+        raise ValueError("degenerate probe points: the terms cannot be told apart")
+    best: tuple[float, np.ndarray] | None = None
+    for k in (3, 2, 1):
+        for cols in itertools.combinations(range(3), k):
+            sub = design[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if (coef < 0).any():
+                continue
+            residual = float(np.sum((sub @ coef - y) ** 2))
+            if best is None or residual < best[0]:
+                full = np.zeros(3)
+                full[list(cols)] = coef
+                best = (residual, full)
+    b, a, c = (0.0, 0.0, 0.0) if best is None else (float(v) for v in best[1])
+    b = max(b, max(v - a * ch - c * ch * ctx for ch, ctx, v in points), 0.0)
+    return b, a, c
 
 
-def probe(model: Any) -> Calibration:
+def predicted(b: float, a: float, c: float, chunk: int, context: int) -> float:
+    return b + a * chunk + c * chunk * context
+
+
+def probe(model: Any, stretch: int = 1) -> Calibration:
     """Replay chunked prefills of one row; measure transients and KV bytes per token."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
@@ -118,12 +163,12 @@ def probe(model: Any) -> Calibration:
     started = time.monotonic()
     samples: list[tuple[int, int, float]] = []
     kv_per_token = 0
-    for chunk, context in PROBE_POINTS:
-        cache = [BatchKVCache([0]) for _ in model.layers]
-        before_tokens = context - chunk
-        if before_tokens > 0:
-            mx.eval(model(mx.zeros((1, before_tokens), dtype=mx.int32), cache=cache))
-            mx.eval([c.state for c in cache])
+    cache = [BatchKVCache([0]) for _ in model.layers]
+    context = 0
+    for chunk in PROBE_CHUNKS + HOLDOUT_CHUNKS:
+        chunk *= stretch
+        context += chunk
+        mx.eval([c.state for c in cache if c.keys is not None])
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
@@ -135,28 +180,41 @@ def probe(model: Any) -> Calibration:
         # The cache holds whole growth steps; bytes per allocated slot are bytes per token.
         slots = cache[0].keys.shape[2]
         kv_per_token = max(kv_per_token, sum(c.keys.nbytes + c.values.nbytes for c in cache) // slots)
-        del out, cache
-        mx.clear_cache()
-    a, c = fit(samples)
+        del out
+    del cache
+    mx.clear_cache()
+    fitted, held = samples[:len(PROBE_POINTS)], samples[len(PROBE_POINTS):]
+    b, a, c = fit(fitted)
     if kv_per_token <= 0:
         raise ValueError("probe did not measure the KV cache")
-    return Calibration(a, c, kv_per_token, time.monotonic() - started, "probe")
+    return Calibration(a, c, kv_per_token, time.monotonic() - started, "probe",
+                       prefill_b_bytes=b, holdout_ratio=holdout_ratio(held, b, a, c))
 
 
-def calibrate(model: Any, static: CostModel, *, cache_dir: Path | None, key: str) -> tuple[CostModel, Calibration]:
+def holdout_ratio(held: list[tuple[int, int, float]], b: float, a: float, c: float) -> float:
+    """Worst measured/predicted on samples the fit never saw (> 1: it under-predicts)."""
+    ratios = [v / p for ch, ctx, v in held if (p := predicted(b, a, c, ch, ctx)) > 0]
+    return round(max(ratios, default=0.0), 4)
+
+
+def calibrate(model: Any, static: CostModel, *, cache_dir: Path | None, key: str,
+              stretch: int = 1) -> tuple[CostModel, Calibration]:
     """The cost model to admit by: cached or probed coefficients, else the static ones."""
     cal = load_cached(cache_dir, key) if cache_dir else None
     if cal is None:
         try:
-            cal = probe(model)
+            cal = probe(model, stretch)
         except Exception as exc:  # any probe failure keeps the static estimate
             log.warning("calibration probe failed (%s); using the static estimate", exc)
             return static, Calibration(static.prefill_a_bytes, static.prefill_c_bytes,
-                                       static.kv_bytes_per_token, 0.0, "static")
+                                       static.kv_bytes_per_token, 0.0, "static",
+                                       prefill_b_bytes=static.prefill_b_bytes)
         if cache_dir:
             store(cache_dir, key, cal)
-    log.info("calibration (%s, %.2fs): a %.0f B/token (static %.0f), c %.1f B/token² "
-             "(static %.1f), KV %d B/token (static %d)", cal.source, cal.seconds,
+    log.info("calibration (%s, %.2fs): b %.0f B/forward, a %.0f B/token (static %.0f), "
+             "c %.1f B/token² (static %.1f), KV %d B/token (static %d), held-out "
+             "measured/predicted %.2f", cal.source, cal.seconds, cal.prefill_b_bytes,
              cal.prefill_a_bytes, static.prefill_a_bytes, cal.prefill_c_bytes,
-             static.prefill_c_bytes, cal.kv_bytes_per_token, static.kv_bytes_per_token)
+             static.prefill_c_bytes, cal.kv_bytes_per_token, static.kv_bytes_per_token,
+             cal.holdout_ratio)
     return cal.apply(static), cal

@@ -1,10 +1,14 @@
 """The engine: continuous batching on mlx-lm's BatchGenerator. Knows nothing of sockets.
 
 ``add`` inserts a request, ``cancel`` removes it (its row is freed at once), ``step`` runs
-one ``BatchGenerator.next()`` and returns every request's new tokens. The generator's
-chunk and batch sizes are plain attributes we set between steps; ``tests/`` pins the
-private surface we rely on (``prefill_step_size``, ``prefill_batch_size``,
-``completion_batch_size``, ``insert(..., samplers=, stop_sequences=)``, ``remove``).
+one ``BatchGenerator.next()`` and returns every request's new tokens. Per-row state
+(prompt progress, decoding or not) is kept here from the generator's public responses
+(``progress``, ``end_of_prompt``) and prefill work from its public ``stats()``, as
+mlx-lm's own server does. The one thing mirrored rather than read is the generator's rule
+for which waiting rows join the next prefill chunk (``_next_prefill``); the chunk size is
+a plain attribute set between steps. ``tests/`` pins both (``prefill_step_size``,
+``prefill_batch_size``, ``completion_batch_size``, ``insert(..., samplers=,
+stop_sequences=)``, ``remove``, and the mirror against the generator's own choice).
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ class Running:
     prompt_tokens: int
     max_tokens: int
     generated: int = 0
+    prefilled: int = 0          # prompt tokens processed (the generator's ``progress``)
+    decoding: bool = False      # the prompt is done (``end_of_prompt``)
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill before the last one (fed when decoding starts)."""
+        return 0 if self.decoding else max(0, self.prompt_tokens - 1 - self.prefilled)
 
     @property
     def total_tokens(self) -> int:
@@ -83,6 +94,7 @@ class Engine:
         self.running: dict[str, Running] = {}
         self._by_uid: dict[int, Running] = {}
         self.num_steps = 0
+        self.last_prefilled_tokens = 0      # prompt tokens the last step processed
 
     @property
     def has_work(self) -> bool:
@@ -120,8 +132,15 @@ class Engine:
 
     def step(self) -> list[Output]:
         """One engine step: a decode for the running batch and at most one prefill chunk."""
-        _, responses = self.generator.next()
+        with self.generator.stats() as stats:
+            prompt_responses, responses = self.generator.next()
         self.num_steps += 1
+        self.last_prefilled_tokens = stats.prompt_tokens
+        for p in prompt_responses:
+            run = self._by_uid.get(p.uid)
+            if run is not None:
+                run.prefilled = int(p.progress[0])
+                run.decoding = run.decoding or bool(p.end_of_prompt)
         outputs: list[Output] = []
         for r in responses:
             # A finished response holds its prompt cache, which pins the whole batch's
@@ -130,6 +149,7 @@ class Engine:
             run = self._by_uid.get(r.uid)
             if run is None:
                 continue
+            run.decoding = True
             run.generated += 1
             # The EOS token ends the stream but is not part of the text.
             ids = [] if r.finish_reason == "stop" else [r.token]
@@ -139,37 +159,36 @@ class Engine:
             outputs.append(Output(run.request_id, ids, r.finish_reason))
         return outputs
 
-    def num_prefilled_tokens(self) -> int:
-        """Prompt tokens processed so far (the generator's private counter)."""
-        return int(self.generator._counters.prompt_tokens)
+    def _next_prefill(self) -> list[Running]:
+        """The rows the next step's prefill chunk covers: a mirror of BatchGenerator._next.
 
-    def longest_prefill_left(self) -> int:
-        """The most prompt tokens (before the last one) any row of the next chunk has left.
-
-        Rows being prefilled hold their prompt as segments, [rest, [last token]] (the
-        last token is fed when the row moves to decoding); rows waiting to join hold theirs
-        whole. Only the rows the next step will take are counted.
+        Rows already in the prompt batch go on; waiting rows join, oldest first, while the
+        prompt batch and the whole batch have room; nothing is prefilled when the decoding
+        batch is full. A row with only its last token left moves to decoding instead. The
+        generator decodes before it prefills, so rows that reach max_tokens in this step
+        make room already (one that stops on EOS cannot be foreseen).
         """
         g = self.generator
-        segments = [seq[0] for seq in g._currently_processing]
-        room = min(g.prefill_batch_size - len(g._prompt_batch),
-                   g.completion_batch_size - len(g._generation_batch))
-        for i, waiting in enumerate(g._unprocessed_sequences):
-            if i >= room:
-                break
-            segments.append(waiting[1])
-        return max((len(s[0]) for s in segments if len(s) > 1), default=0)
+        decoding = sum(1 for r in self.running.values() if r.decoding and r.generated + 1 < r.max_tokens)
+        if decoding >= g.completion_batch_size:
+            return []
+        started = [r for r in self.running.values() if not r.decoding and r.prefilled > 0]
+        waiting = [r for r in self.running.values() if not r.decoding and r.prefilled == 0]
+        room = max(0, min(g.prefill_batch_size - len(started), g.completion_batch_size - decoding))
+        return [r for r in started + waiting[:room] if r.prompt_left > 0]
+
+    def longest_prefill_left(self) -> int:
+        """The most prompt tokens (before the last one) any row of the next chunk has left."""
+        return max((r.prompt_left for r in self._next_prefill()), default=0)
 
     def prefill_rows(self) -> int:
         """Rows that the next step's prefill chunk covers."""
-        g = self.generator
-        return min(g.prefill_batch_size, len(g._prompt_batch) + len(g._unprocessed_sequences))
+        return len(self._next_prefill())
 
     def num_prefilling(self) -> int:
-        """Requests whose prompt is not yet fully processed (private generator state)."""
-        g = self.generator
-        return len(g._prompt_batch) + len(g._unprocessed_sequences)
+        """Requests whose prompt is not yet fully processed."""
+        return sum(1 for r in self.running.values() if not r.decoding)
 
     def totals(self) -> list[int]:
-        """prompt + max_tokens of every running request: the batch's padded shape."""
+        """prompt + max_tokens of every running request, oldest first: the padded shape."""
         return [r.total_tokens for r in self.running.values()]

@@ -249,6 +249,7 @@ class MemoryState:
             "worst_measured_over_predicted": round(self.worst_measured_over_predicted, 4),
             "reported_at": time.time(),
             "cost_model": self.model.to_dict(),
+            **self.extra,
         }
 
 

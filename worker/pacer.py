@@ -20,9 +20,14 @@ class ChunkPacer:
         if prefill_tokens <= 0 or seconds <= 0:
             return
         rate = prefill_tokens / seconds
-        # Weight the slow side: a step that took longer than expected should shrink at once.
-        if self.tokens_per_s is None or rate < self.tokens_per_s:
+        # Weight the slow side: a slower step shrinks the chunk at once, halfway in log
+        # (the geometric mean), so a real slowdown is followed within two or three steps
+        # while one outlier (a new kernel compiled, a pause) does not collapse the chunk
+        # for many steps; a faster one grows it gradually.
+        if self.tokens_per_s is None:
             self.tokens_per_s = rate
+        elif rate < self.tokens_per_s:
+            self.tokens_per_s = (self.tokens_per_s * rate) ** 0.5
         else:
             self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
 

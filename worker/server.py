@@ -1,5 +1,7 @@
 """The worker's ZeroMQ loop: input → step → publish, plus the heartbeat thread and OOM guard.
 
+Memory decisions are the gate's (``worker/gate.py``); this module does the IO around them.
+
 The main thread owns the engine and the main DEALER socket. The heartbeat thread owns
 its own socket (ZeroMQ sockets are not thread-safe) and reports the step counter, so a
 wedged engine loop is visible to the router as a counter that stops while work waits.
@@ -27,8 +29,9 @@ from common.protocol import (
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
 )
 from worker.engine import Engine, Output
+from worker.gate import EngineView, MemoryGate, is_memory_error
+from worker.memory import MemoryState
 from worker.pacer import ChunkPacer
-from worker.memory import MemoryState, pressure_action
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,6 @@ IDLE_POLL_MS = 50
 # A step's prefill work is sized to take about this long: short enough that decode keeps
 # flowing beside a long prompt and that no healthy step nears the router's stall timeout.
 STEP_BUDGET_S = 0.5
-# When a step's peak exceeds its prediction, grow the model by the overshoot and this margin.
-CALIBRATION_GROWTH = 1.05
-# A caught memory error grows the model by this much (the step never finished: no measure).
-CAUGHT_ERROR_GROWTH = 1.25
-# This many caught errors within the window and the worker exits to be restarted clean.
-CAUGHT_ERRORS_TO_EXIT = 3
-CAUGHT_ERROR_WINDOW_S = 60.0
 # Without a router heartbeat for this long, re-send hello (the router may have restarted).
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
@@ -62,6 +58,7 @@ class ServerOptions:
     max_running: int
     vocab_size: int
     wedge_after_steps: int | None = None
+    grow_scale_on_signal: float | None = None   # test hook: SIGUSR1 grows the scale by this
     curve: ClientKeys | None = None     # CURVE keys for a tcp:// router
 
 
@@ -109,11 +106,15 @@ class HeartbeatThread(threading.Thread):
 class WorkerServer:
     """Receive and handle messages, step the engine, publish outputs and status."""
 
-    def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello) -> None:
+    def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello,
+                 clock: Any = time.monotonic) -> None:
         self.opts = opts
         self.engine = engine
         self.memory = memory
         self.hello = hello
+        self.clock = clock
+        self.gate = MemoryGate(memory, fitted=memory.model, admission=opts.admission,
+                               max_running=opts.max_running, now=clock())
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
@@ -124,18 +125,25 @@ class WorkerServer:
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
         self._worst_step_s = 0.0
-        self._last_totals: list[int] = []
-        self.under_pressure = False
-        self._caught_errors: list[float] = []
+        self._previous: EngineView | None = None
+        self._grow_scale = False
+        self._broken = False         # a step raised a non-memory error: no more steps
         self.exit_code = ExitCode.OK
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
+
+    def view(self) -> EngineView:
+        e = self.engine
+        return EngineView(running_totals=e.totals(), prefilling=e.num_prefilling(),
+                          prefill_rows=e.prefill_rows())
 
     # -- lifecycle -------------------------------------------------------------------
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.opts.grow_scale_on_signal:
+            signal.signal(signal.SIGUSR1, self._on_grow_signal)
         self.say_hello()
         self.heartbeat.start()
         log.info("worker %d (incarnation %d) serving", os.getpid(), self.opts.incarnation)
@@ -145,6 +153,10 @@ class WorkerServer:
 
     def loop_once(self) -> None:
         self.receive(timeout_ms=0 if self.engine.has_work else IDLE_POLL_MS)
+        if self._grow_scale and self.opts.grow_scale_on_signal:
+            self._grow_scale = False
+            self.gate.grow_scale(self.opts.grow_scale_on_signal, self.clock())
+            self._changed = True
         outputs = self.relieve_pressure()
         outputs += self.step()
         self.publish(outputs)
@@ -155,6 +167,9 @@ class WorkerServer:
         # Only set a flag: the loop notices it at the next step boundary.
         self.stop_reason = f"signal {signal.Signals(signum).name}"
 
+    def _on_grow_signal(self, signum: int, frame: Any) -> None:
+        self._grow_scale = True
+
     def on_parent_gone(self) -> None:
         """Called from the stdin watcher thread when the spawning router's pipe closes."""
         self.stop_reason = "router gone"
@@ -162,11 +177,12 @@ class WorkerServer:
 
     def shutdown(self) -> int:
         log.info("[shutdown] worker %d: %s", os.getpid(), self.stop_reason)
-        deadline = time.monotonic() + (SHUTDOWN_GRACE_S if self.stop_reason != "router gone" else 0)
+        grace = 0 if self._broken or self.stop_reason == "router gone" else SHUTDOWN_GRACE_S
+        deadline = time.monotonic() + grace
         while self.engine.has_work and time.monotonic() < deadline:
             self.receive(timeout_ms=0)
             self.publish(self.step())
-        failed = self.engine.cancel_all()
+        failed = [] if self._broken else self.engine.cancel_all()
         if failed:
             self.send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
         self.send(Shutdown(incarnation=self.opts.incarnation, reason=self.stop_reason or ""))
@@ -213,169 +229,95 @@ class WorkerServer:
             self._router_seen_at = time.monotonic()
 
     def admit(self, msg: Generate) -> None:
-        """The worker is authoritative: it takes only what it has room for."""
-        reject = self._check(msg)
+        """The worker is authoritative: it takes only what the gate has room for."""
+        reject = self._validate(msg)
+        if reject is None:
+            decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
+            if not decision.admit:
+                assert decision.reason is not None
+                log.debug("%s %s: %s (%d bytes)", decision.reason, msg.request_id, decision.message,
+                          decision.needed_bytes)
+                reject = self._reject(msg, decision.reason, decision.message, decision.needed_bytes)
         if reject is not None:
             self.send(reject)
             return
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                         temperature=msg.temperature, top_p=msg.top_p, seed=msg.seed,
                         ignore_eos=msg.ignore_eos)
+        self.gate.reserve(decision)
         self._changed = True
         log.debug("admitted %s: %d prompt tokens, max_tokens %d",
                   msg.request_id, len(msg.prompt_ids), msg.max_tokens)
 
-    def _check(self, msg: Generate) -> Reject | None:
-        def reject(reason: RejectReason, text: str, needed: int = 0) -> Reject:
-            return Reject(incarnation=self.opts.incarnation, request_id=msg.request_id,
-                          reason=reason, message=text, needed_bytes=needed,
-                          max_request_tokens=costmodel.max_request_tokens(self.memory.model))
-
+    def _validate(self, msg: Generate) -> Reject | None:
+        """What no worker could run, memory aside (the router checks these first)."""
         n, vocab = len(msg.prompt_ids), self.opts.vocab_size
         if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running:
-            return reject(RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
+            return self._reject(msg, RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab:
-            return reject(RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
-        if n + msg.max_tokens > self.memory.model.context_length:
-            return reject(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
-        if len(self.engine.running) >= self.opts.max_running:
-            return reject(RejectReason.NOT_NOW, "running cap reached")
-        if self.under_pressure:
-            return reject(RejectReason.NOT_NOW, "memory taken by another process")
-        if not self.opts.admission:
-            return None
-        m = self.memory.model
-        if costmodel.never_fits(m, n, msg.max_tokens):
-            return reject(RejectReason.NEVER_FITS, "does not fit even on an idle worker",
-                          costmodel.request_cost_bytes(m, n, msg.max_tokens))
-        fits, worst = self._fits(n, msg.max_tokens)
-        if not fits and self.memory.last is not None and self.memory.last.cache_bytes > 0:
-            # The buffer cache is reclaimable, not lost: clear it before saying "no room".
-            self.memory.probe.clear_cache()
-            fits, worst = self._fits(n, msg.max_tokens)
-        if not fits:
-            log.debug("not now: %s needs a batch worst case of %d bytes", msg.request_id, worst)
-            return reject(RejectReason.NOT_NOW, "no room now", worst)
-        self.memory.reserved_bytes = worst
+            return self._reject(msg, RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
         return None
 
-    def _fits(self, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
-        return costmodel.fits_now(self.memory.model, self.engine.totals(), prompt_tokens, max_tokens,
-                                  self.engine.num_prefilling(), self._free_bytes())
-
-    def _free_bytes(self) -> int:
-        """Live headroom minus what is promised to running rows but not yet allocated."""
-        self.memory.refresh()
-        r = self.memory.last
-        assert r is not None
-        allocated = max(0, r.active_bytes - self.memory.weights_bytes - self.memory.baseline_bytes)
-        promised = max(0, self.memory.reserved_bytes - allocated)
-        return self.memory.headroom_bytes() - promised
+    def _reject(self, msg: Generate, reason: RejectReason, text: str, needed: int = 0) -> Reject:
+        return Reject(incarnation=self.opts.incarnation, request_id=msg.request_id, reason=reason,
+                      message=text, needed_bytes=needed,
+                      max_request_tokens=costmodel.max_request_tokens(self.gate.model))
 
     # -- step ------------------------------------------------------------------------
 
     def relieve_pressure(self) -> list[Output]:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
-        mem = self.memory
-        if not self.opts.admission or not self.engine.has_work:
-            self.under_pressure = False
+        if not self.engine.has_work:
+            self.gate.pressure(self.view(), self.chunk_tokens)
             return []
-        mem.refresh()
-        r = mem.last
-        assert r is not None
-        allocated = max(0, r.active_bytes - mem.weights_bytes - mem.baseline_bytes)
-        action = pressure_action(mem.model, headroom_bytes=mem.headroom_bytes(),
-                                 reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
-                                 running_totals=self.engine.totals(), chunk_tokens=self.chunk_tokens)
-        if not action.admit and r.cache_bytes:
-            mem.probe.clear_cache()  # reclaimable: try that before anything drastic
-            return []
-        if action.admit != (not self.under_pressure):
-            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B",
-                        "ended" if action.admit else "began", mem.headroom_bytes(),
-                        mem.reserved_bytes, allocated)
-        self.under_pressure = not action.admit
-        if self.under_pressure:
+        action = self.gate.pressure(self.view(), self.chunk_tokens)
+        if not action.admit:
             self.engine.set_prefill_step(action.chunk_tokens)
             self.chunk_tokens = action.chunk_tokens
-        evicted = list(self.engine.running)[len(self.engine.running) - action.evict:] if action.evict else []
+        running = list(self.engine.running)
+        evicted = running[len(running) - action.evict:] if action.evict else []
         for request_id in evicted:
             log.warning("evicting %s: memory taken by another process", request_id)
             self.engine.cancel(request_id)
         if evicted:
-            self._rebase_reservation()
+            self.gate.rebase(self.view())
             self._changed = True
         return [Output(rid, [], FinishReason.EVICTED) for rid in evicted]
 
     def step(self) -> list[Output]:
-        if not self.engine.has_work:
+        if not self.engine.has_work or self._broken:
             return []
         self.memory.probe.reset_peak()
-        self._size_chunk()
-        predicted = self._predicted_step_bytes()
-        prefilled = self.engine.num_prefilled_tokens()
+        view = self._size_chunk()
+        predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
+        self._previous = view
         started = time.monotonic()
         try:
             outputs = self.engine.step()
-            self._calibrate(predicted)
             self._guard()
-        except RuntimeError as exc:  # what MLX >= 0.32 raises for a Metal OOM
-            return self._recover(exc)
+        except Exception as exc:
+            if is_memory_error(exc):
+                return self._recover(exc)
+            return self._crash(exc)
         elapsed = time.monotonic() - started
+        if self.gate.observe_step(predicted, self.clock()):
+            self._changed = True
         self._worst_step_s = max(self._worst_step_s, elapsed)
-        self.pacer.observe(self.engine.num_prefilled_tokens() - prefilled, elapsed)
+        self.pacer.observe(self.engine.last_prefilled_tokens, elapsed)
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
-            self._rebase_reservation()
+            self.gate.rebase(self.view())
         return outputs
 
-    def _size_chunk(self) -> None:
-        """The next prefill chunk: within the step-time budget and, with admission, memory."""
-        rows = self.engine.prefill_rows()
-        if rows == 0 or self.under_pressure:
-            return
-        chunk = self.pacer.chunk(rows, self.engine.longest_prefill_left())
-        if self.opts.admission:
-            free = max(0, self.memory.model.budget_bytes - self.memory.reserved_bytes)
-            context = max(self.engine.totals(), default=chunk)
-            chunk = min(chunk, costmodel.safe_prefill_chunk(self.memory.model, free, context, rows))
-        self.engine.set_prefill_step(chunk)
-        self.chunk_tokens = chunk
-
-    def _predicted_step_bytes(self) -> int:
-        """The cost model's bound for this step's peak above weights and baseline.
-
-        Rows that finished last step are still being copied out of the batch cache in this
-        one (mlx-lm filters lazily), so the previous step's batch is charged too.
-        """
-        m = self.memory.model
-        totals, previous = self.engine.totals(), self._last_totals
-        self._last_totals = totals
-        if not totals:
-            return 0
-        rows = self.engine.prefill_rows()
-        now = costmodel.batch_cost_bytes(m, len(totals), max(totals),
-                                         self.chunk_tokens if rows else 0, rows, max(totals))
-        before = costmodel.batch_cost_bytes(m, len(previous), max(previous), 0, 0, 0) if previous else 0
-        return max(now, before)
-
-    def _calibrate(self, predicted: int) -> None:
-        """Keep the cost model honest: a step above its prediction grows the model."""
-        if predicted <= 0:
-            return
-        mem = self.memory
-        measured = mem.probe.step_peak() - mem.weights_bytes - mem.baseline_bytes
-        ratio = measured / predicted
-        mem.worst_measured_over_predicted = max(mem.worst_measured_over_predicted, ratio)
-        if ratio > 1.0:
-            old = mem.model.scale
-            mem.model = dataclasses.replace(mem.model, scale=old * ratio * CALIBRATION_GROWTH)
-            self._changed = True
-            log.warning("step peak %d B above the predicted %d B (x%.2f): cost model scale "
-                        "%.3f -> %.3f", measured, predicted, ratio, old, mem.model.scale)
-        elif log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: peak %d B, predicted %d B (x%.2f)", self.engine.num_steps,
-                      measured, predicted, ratio)
+    def _size_chunk(self) -> EngineView:
+        """The next prefill chunk: within the step-time budget and the gate's memory."""
+        view = self.view()
+        if view.prefill_rows == 0 or self.gate.under_pressure:
+            return view
+        paced = self.pacer.chunk(view.prefill_rows, self.engine.longest_prefill_left())
+        self.chunk_tokens = self.gate.chunk(view, paced)
+        self.engine.set_prefill_step(self.chunk_tokens)
+        return view
 
     def _guard(self) -> None:
         """--oom-guard: make a peak above the limit as fatal as Metal makes it."""
@@ -396,29 +338,25 @@ class WorkerServer:
         """A caught memory error: fail the running requests, drop their caches, clear the
         MLX cache, grow the cost model, report it; exit for a restart if it keeps happening
         (the step's outputs could not be trusted, and neither can state that keeps failing)."""
-        log.error("engine step failed (%s); failing %d running requests", exc, len(self.engine.running))
+        log.error("engine step ran out of memory (%s); failing %d running requests", exc,
+                  len(self.engine.running))
         failed = self.engine.cancel_all()
-        self.memory.probe.clear_cache()
-        self.memory.reserved_bytes = 0
-        mem = self.memory
-        if self.opts.admission:  # admitted work overshot: the model was too optimistic
-            mem.model = dataclasses.replace(mem.model, scale=mem.model.scale * CAUGHT_ERROR_GROWTH)
-            log.warning("cost model scale grown to %.3f after a caught memory error", mem.model.scale)
-        now = time.monotonic()
-        if self.opts.admission:  # without admission, overshooting is what was asked for
-            self._caught_errors = [t for t in self._caught_errors if now - t < CAUGHT_ERROR_WINDOW_S] + [now]
-        if len(self._caught_errors) >= CAUGHT_ERRORS_TO_EXIT:
-            self.stop_reason = (f"{len(self._caught_errors)} caught memory errors in "
-                                f"{CAUGHT_ERROR_WINDOW_S:.0f}s: state no longer trusted")
+        self._previous = None
+        if self.gate.memory_error(self.clock()):
+            self.stop_reason = "repeated caught memory errors: state no longer trusted"
             self.exit_code = ExitCode.UNTRUSTED_STATE
         self._changed = True
         return [Output(rid, [], FinishReason.ERROR) for rid in failed]
 
-    def _rebase_reservation(self) -> None:
-        totals = self.engine.totals()
-        m = self.memory.model
-        self.memory.reserved_bytes = (
-            costmodel.batch_cost_bytes(m, len(totals), max(totals), 0, 0, 0) if totals else 0)
+    def _crash(self, exc: BaseException) -> list[Output]:
+        """Anything but a memory error in a step is a bug, not the cost model's fault: exit
+        at once and let the supervisor start a clean worker (the engine is not stepped or
+        touched again)."""
+        log.exception("engine step failed with a non-memory error; exiting for a restart")
+        self._broken = True
+        self.stop_reason = f"engine error: {type(exc).__name__}: {exc}"
+        self.exit_code = ExitCode.ENGINE_ERROR
+        return []  # the router answers (or retries once) what was running when we exit
 
     # -- publish ---------------------------------------------------------------------
 
@@ -446,6 +384,7 @@ class WorkerServer:
         self._changed = False
         self._status_sent_at = now
         report = self.memory.report(running=len(self.engine.running), max_running=self.opts.max_running)
+        report.update(self.gate.scale_report(self.clock()))
         report["step"] = self.engine.num_steps
         report["bad_frames"] = self.num_bad_frames
         report["worst_step_s"] = round(self._worst_step_s, 4)

@@ -7,6 +7,7 @@ loudly, rather than in production.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -33,27 +34,61 @@ def test_generator_signature_we_call() -> None:
     assert "uids" in inspect.signature(BatchGenerator.remove).parameters
 
 
-def test_private_attributes_we_read_and_write(engine: Engine) -> None:
+def test_public_surface_we_read(engine: Engine) -> None:
     g = engine.generator
-    for name in ("prefill_step_size", "prefill_batch_size", "completion_batch_size",
-                 "_prompt_batch", "_unprocessed_sequences", "_generation_batch", "_counters",
-                 "_currently_processing"):
+    for name in ("prefill_step_size", "prefill_batch_size", "completion_batch_size", "stats"):
         assert hasattr(g, name), name
-    assert isinstance(g._counters.prompt_tokens, int)
+    response = g.next.__doc__ or ""
+    assert "prompt processing responses" in response  # next() -> (prompt, generation)
 
 
 def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
     engine.set_prefill_step(16)
     engine.add("chunked", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
                ignore_eos=True)
-    before = engine.num_prefilled_tokens()
     engine.step()
-    assert engine.num_prefilled_tokens() - before == 16  # one chunk of the new size
+    assert engine.last_prefilled_tokens == 16  # one chunk of the new size
     engine.set_prefill_step(32)
     engine.step()
-    assert engine.num_prefilled_tokens() - before == 48
+    assert engine.last_prefilled_tokens == 32
     while engine.has_work:
         engine.step()
+
+
+def test_the_prefill_mirror_matches_the_generators_choice(engine: Engine) -> None:
+    """_next_prefill mirrors BatchGenerator._next's rule for which rows the next chunk
+    covers; compare it with the rows the generator really prefilled, step by step, with
+    more rows than the prefill batch and a full decoding batch on the way."""
+    g = engine.generator
+    saved = (g.prefill_batch_size, g.completion_batch_size)
+    g.prefill_batch_size, g.completion_batch_size = 3, 5
+    engine.set_prefill_step(16)
+    try:
+        for i, length in enumerate([40, 5, 70, 1, 30, 20, 90, 12]):
+            engine.add(f"m{i}", [3 + i] * length, max_tokens=6, temperature=0, top_p=1, seed=None,
+                       ignore_eos=True)
+        seen: list[Any] = []
+        real_next = g.next
+
+        def spy() -> Any:
+            out = real_next()
+            seen[:] = out[0]
+            return out
+
+        g.next = spy  # type: ignore[method-assign]
+        checked = 0
+        while engine.has_work and checked < 200:
+            expected = {r.uid for r in engine._next_prefill()}
+            tokens = sum(min(16, r.prompt_left) for r in engine._next_prefill())
+            engine.step()
+            prefilled = {p.uid for p in seen if not p.end_of_prompt}
+            assert prefilled == expected, f"step {checked}: generator {prefilled}, mirror {expected}"
+            assert engine.last_prefilled_tokens == tokens
+            checked += 1
+        assert not engine.has_work
+    finally:
+        del g.next
+        g.prefill_batch_size, g.completion_batch_size = saved
 
 
 def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:

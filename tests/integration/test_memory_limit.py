@@ -124,3 +124,41 @@ def test_oom_guard_raise_is_survived_without_a_restart(fresh_router: Callable[..
     assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0
     ok = router.http.post("/v1/completions", json={"prompt": "after", "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def test_queued_requests_that_can_no_longer_fit_are_answered_when_the_model_grows(
+        fresh_router: Callable[..., Router]) -> None:
+    """The test hook (SIGUSR1 with --test-grow-scale) grows the worker's scale as an
+    overshoot would. A queued request that now can never fit gets its 400 at once, not a
+    queue timeout; one that still fits stays queued and is served."""
+    import os
+    import signal
+
+    router = fresh_router(*LIMIT, "--max-running-requests", "1", "--worker-arg=--test-grow-scale=4")
+    pid = router.worker()["pid"]
+    most = router.memory()["workers"][0]["max_request_tokens"]
+    with httpx.Client(base_url=router.url, timeout=WORKLOAD_TIMEOUT_S) as http, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool, \
+            http.stream("POST", "/v1/completions", json={
+                "prompt": [5] * 8, "max_tokens": most - 16, "ignore_eos": True, "stream": True}) as running:
+        assert running.status_code == 200
+        big = pool.submit(http.post, "/v1/completions", json={
+            "prompt": [7] * (most // 2), "max_tokens": most // 10, "ignore_eos": True})
+        small = pool.submit(http.post, "/v1/completions", json={
+            "prompt": [9] * 8, "max_tokens": 8, "ignore_eos": True})
+        wait_until(lambda: router.memory()["queued"] == 2, 30, "both requests queued behind the running one",
+                   on_fail=router.log)
+        os.kill(pid, signal.SIGUSR1)
+        refused = big.result(timeout=10)  # not the 300 s queue timeout
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "insufficient_memory"
+        assert error["max_request_tokens"] < most // 2 + most // 10 <= most
+        assert error["needed_bytes"] > router.memory()["workers"][0]["budget_bytes"]
+        assert router.memory()["queued"] == 1 and not small.done()
+        report = router.memory()["workers"][0]
+        assert report["scale"] > 1 and report["scale_history"][-1][2] == "test hook"
+    # Closing the running stream cancels it: the small one runs.
+    done = small.result(timeout=60)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
+    assert router.worker()["pid"] == pid

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from common.costmodel import (
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
     copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_request_tokens, never_fits,
-    prefill_transient_bytes, request_cost_bytes, roundup, safe_prefill_chunk,
+    forward_transient_bytes, prefill_transient_bytes, request_cost_bytes, roundup,
+    safe_prefill_chunk,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -34,6 +35,7 @@ models = st.builds(
     # Zero or a plausible fitted coefficient (a subnormal one would overflow int(free / c)).
     prefill_a_bytes=st.just(0.0) | st.floats(1e-3, 1e6),
     prefill_c_bytes=st.just(0.0) | st.floats(1e-6, 1e3),
+    prefill_b_bytes=st.just(0.0) | st.floats(1.0, 1e9),
     growth_factor=st.floats(0, 2),
     budget_bytes=st.integers(0, 1 << 40),
     context_length=st.integers(1, 1 << 17),
@@ -95,7 +97,8 @@ def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
     short, long = 10, 3000
     padded = batch_cost_bytes(m, 2, long, 0, 0, 0)
     assert padded == 2 * roundup(long) * m.kv_bytes_per_token + max(
-        growth_spike_bytes(m, 2, long), copy_spike_bytes(m, 2, long))
+        growth_spike_bytes(m, 2, long), copy_spike_bytes(m, 2, long)) + int(
+        m.prefill_b_bytes + 2 * (m.prefill_a_bytes + m.prefill_c_bytes * long))
     unpadded = (batch_kv_bytes(1, short, m.kv_bytes_per_token)
                 + batch_kv_bytes(1, long, m.kv_bytes_per_token))
     assert padded > unpadded
@@ -106,10 +109,32 @@ def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
        chunk=st.integers(0, 4096), prefill_rows=st.integers(0, 8), context=st.integers(0, 1 << 17))
 def test_batch_cost_is_the_sum_of_its_parts(m: CostModel, rows: int, longest: int, chunk: int,
                                            prefill_rows: int, context: int) -> None:
+    prefilling = min(prefill_rows, rows) if chunk else 0
     assert batch_cost_bytes(m, rows, longest, chunk, prefill_rows, context) == int(m.scale * (
         rows * roundup(longest) * m.kv_bytes_per_token
-        + prefill_transient_bytes(m, chunk, context, prefill_rows)
+        + int(m.prefill_b_bytes + prefill_transient_bytes(m, chunk, context, prefilling)
+              + prefill_transient_bytes(m, 1, longest, rows - prefilling))
         + max(growth_spike_bytes(m, rows, longest), copy_spike_bytes(m, rows, longest))))
+
+
+def test_the_fixed_forward_term_is_paid_once_per_step_not_per_token() -> None:
+    m = make_model(prefill_a_bytes=10.0, prefill_c_bytes=0.0, prefill_b_bytes=100_000.0)
+    one = forward_transient_bytes(m, chunk_tokens=1, context_tokens=1, prefill_rows=1,
+                                  decode_rows=0, decode_context=0)
+    big = forward_transient_bytes(m, chunk_tokens=500, context_tokens=500, prefill_rows=1,
+                                  decode_rows=0, decode_context=0)
+    assert one == 100_010 and big == 105_000
+    assert forward_transient_bytes(m, chunk_tokens=0, context_tokens=0, prefill_rows=0,
+                                   decode_rows=0, decode_context=0) == 0
+    # Eight decoding rows: one forward, eight one-token rows.
+    assert forward_transient_bytes(m, chunk_tokens=0, context_tokens=0, prefill_rows=0,
+                                   decode_rows=8, decode_context=100) == 100_080
+    # The chunk that fits leaves the fixed term aside first.
+    assert safe_prefill_chunk(make_model(prefill_a_bytes=1000.0, prefill_c_bytes=0.0,
+                                         prefill_b_bytes=1e6), 1_000_000 + 64_000, 1) == 64
+    # A request's idle cost carries the fixed term.
+    base = make_model(prefill_b_bytes=0.0)
+    assert request_cost_bytes(make_model(prefill_b_bytes=5e6), 100, 100) == request_cost_bytes(base, 100, 100) + 5_000_000
 
 
 def test_prefill_transient() -> None:
@@ -285,7 +310,7 @@ def test_fits_now_pads_a_short_request_to_the_longest_running() -> None:
     m = make_model()
     _, worst = fits_now(m, [3000], 10, 10, 0, 1 << 50)
     chunk = 10
-    assert worst == batch_cost_bytes(m, 2, 3000, chunk, 1, 10)
+    assert worst == batch_cost_bytes(m, 2, 3000, chunk, 1, 3000)  # its chunk at the longest context
     assert worst >= 2 * roundup(3000) * m.kv_bytes_per_token
 
 
@@ -299,9 +324,11 @@ def test_fits_now_may_hold_a_short_request_back_beside_a_long_one() -> None:
 
 def test_fits_now_counts_prefilling_rows() -> None:
     m = make_model()
-    _, one = fits_now(m, [], 1000, 10, 0, 1 << 50)
-    _, three = fits_now(m, [], 1000, 10, 2, 1 << 50)
-    assert three - one == 2 * prefill_transient_bytes(m, m.prefill_step_tokens, 1000)
+    _, decoding = fits_now(m, [1010, 1010], 1000, 10, 0, 1 << 50)
+    _, prefilling = fits_now(m, [1010, 1010], 1000, 10, 2, 1 << 50)
+    # Two rows that are still prefilling pay a chunk each instead of one decode token each.
+    assert prefilling - decoding == 2 * (prefill_transient_bytes(m, m.prefill_step_tokens, 1010)
+                                         - prefill_transient_bytes(m, 1, 1010))
 
 
 @FAST

@@ -93,3 +93,37 @@ def _status(incarnation: int) -> object:
     from common.protocol import Status
 
     return Status(incarnation=incarnation, report={"max_running_requests": 4})
+
+
+def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    """A grown scale makes a queued request never fit: it gets its 400 at once; one that
+    still fits stays queued."""
+    import dataclasses
+
+    from common import costmodel
+    from common.errors import InsufficientMemory
+    from common.protocol import Status
+
+    d, clock = dispatcher
+    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0}))  # hold everything
+    small = Job(request_id="small", prompt_ids=[1] * 100, sampling=Sampling(max_tokens=100),
+                deadline=1e9, enqueued_at=0.0)
+    big = Job(request_id="big", prompt_ids=[1] * 3000, sampling=Sampling(max_tokens=1000),
+              deadline=1e9, enqueued_at=0.0)
+    d.submit(small)
+    d.submit(big)
+    assert len(d.backlog) == 2
+    # Find a scale at which the big one can never fit but the small one still can.
+    scale = 1.0
+    while not costmodel.never_fits(dataclasses.replace(MODEL, scale=scale), 3000, 1000):
+        scale *= 1.5
+    grown = dataclasses.replace(MODEL, scale=scale)
+    assert not costmodel.never_fits(grown, 100, 100)
+    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0,
+                                                   "cost_model": grown.to_dict()}))
+    event = big.events.get_nowait()
+    assert isinstance(event, InsufficientMemory)
+    assert event.extra["needed_bytes"] == costmodel.request_cost_bytes(grown, 3000, 1000)
+    assert event.extra["max_request_tokens"] == costmodel.max_request_tokens(grown) < 4000
+    assert small.state is JobState.QUEUED and small.events.empty()
+    assert list(d.backlog.waiting) == ["small"]

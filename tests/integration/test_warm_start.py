@@ -1,0 +1,37 @@
+"""A fresh worker warms its kernels before it says ready: its first request is not slow.
+
+The one timing check in the suite, because it is the promise itself: the first completion
+of a fresh router is within 2x of a warm one's time to first token (the median of the
+next three, so one noisy reading on a shared CI machine does not decide it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from tests.integration.conftest import Router
+
+
+def first_token_seconds(router: Router, i: int) -> float:
+    started = time.monotonic()
+    with router.http.stream("POST", "/v1/completions", json={
+            "prompt": f"a fresh prompt, number {i}, for the warm start", "max_tokens": 4,
+            "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                return time.monotonic() - started
+    raise AssertionError("the stream ended without a token")
+
+
+def test_the_first_request_is_within_twice_a_warm_ones_time_to_first_token(
+        fresh_router: Callable[..., Router]) -> None:
+    router = fresh_router()
+    report = router.memory()["workers"][0]
+    assert report["warmup_s"] > 0
+    first = first_token_seconds(router, 0)
+    warm = statistics.median(first_token_seconds(router, i) for i in (1, 2, 3))
+    assert first <= 2 * warm, f"first request {first:.3f}s, warm {warm:.3f}s"
+    assert "warm start in" in router.log()

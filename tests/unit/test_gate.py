@@ -1,0 +1,235 @@
+"""Tests for worker/gate.py: every promise of the worker's memory gate, on fake readings.
+
+No MLX, no sockets: a ``FakeProbe`` stands for the device, ``now`` for the clock and an
+``EngineView`` for the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import costmodel
+from common.costmodel import CostModel
+from common.protocol import RejectReason
+from worker.gate import (
+    CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, EngineView, MemoryGate, ScaleTracker,
+    is_memory_error,
+)
+from worker.memory import FakeProbe, MemoryState
+
+MIB = 1 << 20
+WEIGHTS = 100 * MIB
+LIMIT = 1024 * MIB
+
+
+def make_model(**overrides: Any) -> CostModel:
+    values: dict[str, Any] = dict(
+        kv_bytes_per_token=64 * 1024, num_layers=4, prefill_a_bytes=20_000.0, prefill_c_bytes=8.0,
+        prefill_b_bytes=4 * MIB, budget_bytes=800 * MIB, context_length=8192,
+        prefill_step_tokens=512, prefill_batch_size=8)
+    values.update(overrides)
+    return CostModel(**values)
+
+
+def make_gate(model: CostModel | None = None, *, admission: bool = True, max_running: int = 8,
+              limit: int = LIMIT) -> tuple[MemoryGate, FakeProbe]:
+    probe = FakeProbe(limit_bytes=limit, active_bytes=WEIGHTS)
+    memory = MemoryState(probe=probe, model=model or make_model(), weights_bytes=WEIGHTS, baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=admission, max_running=max_running, now=0.0)
+    return gate, probe
+
+
+def view(*totals: int, prefilling: int = 0) -> EngineView:
+    return EngineView(running_totals=list(totals), prefilling=prefilling, prefill_rows=prefilling)
+
+
+# -- admission: ask, then commit ---------------------------------------------------------
+
+
+def test_asking_changes_nothing_and_commit_reserves_the_batch_worst_case() -> None:
+    gate, _ = make_gate()
+    decision = gate.can_admit(view(), 500, 100)
+    assert decision.admit and gate.memory.reserved_bytes == 0  # asking is free
+    gate.reserve(decision)
+    assert gate.memory.reserved_bytes == decision.worst_bytes > 0
+
+
+def test_no_admit_without_room() -> None:
+    gate, probe = make_gate()
+    first = gate.can_admit(view(), 2000, 500)
+    gate.reserve(first)
+    # Another process takes most of the memory: live headroom no longer covers the increment.
+    probe.active_bytes = LIMIT - 10 * MIB
+    decision = gate.can_admit(view(2500), 2000, 500)
+    assert decision.reason is RejectReason.NOT_NOW and decision.needed_bytes > 0
+
+
+def test_the_buffer_cache_is_cleared_before_saying_no_room() -> None:
+    gate, probe = make_gate()
+    probe.cache_bytes = LIMIT - WEIGHTS  # all of it reclaimable
+    decision = gate.can_admit(view(), 1000, 100)
+    assert decision.admit and probe.cleared == 1
+
+
+def test_a_request_bigger_than_an_idle_worker_never_fits() -> None:
+    gate, _ = make_gate(make_model(budget_bytes=64 * MIB))
+    decision = gate.can_admit(view(), 4000, 4000)
+    assert decision.reason is RejectReason.NEVER_FITS
+    assert decision.needed_bytes == costmodel.request_cost_bytes(gate.model, 4000, 4000)
+
+
+def test_running_cap_and_pressure_hold_requests_back() -> None:
+    gate, _ = make_gate(max_running=1)
+    assert gate.can_admit(view(300), 10, 10).reason is RejectReason.NOT_NOW
+    gate, _ = make_gate()
+    gate.under_pressure = True
+    assert gate.can_admit(view(), 10, 10).reason is RejectReason.NOT_NOW
+
+
+def test_without_admission_only_the_context_is_checked() -> None:
+    gate, _ = make_gate(make_model(budget_bytes=0), admission=False)
+    decision = gate.can_admit(view(), 4000, 4000)
+    assert decision.admit
+    gate.reserve(decision)
+    assert gate.memory.reserved_bytes == 0
+    assert gate.can_admit(view(), 8000, 500).reason is RejectReason.NEVER_FITS
+
+
+def test_reservations_are_released_on_finish_and_cancel() -> None:
+    gate, _ = make_gate(make_model(kv_bytes_per_token=16 * 1024))
+    d1 = gate.can_admit(view(), 3000, 500)
+    gate.reserve(d1)
+    d2 = gate.can_admit(view(3500), 100, 100)
+    gate.reserve(d2)
+    assert gate.memory.reserved_bytes == d2.worst_bytes > d1.worst_bytes
+    gate.rebase(view(200))  # the long one finished (or was cancelled): no more padding to it
+    assert gate.memory.reserved_bytes == costmodel.batch_cost_bytes(gate.model, 1, 200, 0, 0, 0)
+    assert gate.memory.reserved_bytes < d1.worst_bytes
+    gate.rebase(view())
+    assert gate.memory.reserved_bytes == 0
+
+
+# -- chunk and pressure -------------------------------------------------------------------
+
+
+def test_the_chunk_leaves_the_fixed_term_aside_and_never_exceeds_the_pace() -> None:
+    gate, _ = make_gate(make_model(budget_bytes=8 * MIB, prefill_b_bytes=4 * MIB, prefill_c_bytes=0.0))
+    chunk = gate.chunk(view(1000, prefilling=1), paced=512)
+    assert chunk == int((4 * MIB) // 20_000)
+    assert gate.chunk(view(1000, prefilling=1), paced=16) == 16
+
+
+def test_pressure_stops_admitting_then_evicts_only_if_needed() -> None:
+    gate, probe = make_gate()
+    d = gate.can_admit(view(), 3000, 1000)
+    gate.reserve(d)
+    probe.system_available_bytes = 1 * MIB  # another app took nearly everything
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    assert not action.admit and gate.under_pressure
+    assert action.chunk_tokens <= 512 and action.evict >= 1
+    probe.system_available_bytes = 1 << 40  # it gave the memory back
+    gate.rebase(view(4000))
+    action = gate.pressure(view(4000), chunk_tokens=512)
+    assert action.admit and not gate.under_pressure
+
+
+# -- calibration: grow at once, decay toward what is measured -----------------------------
+
+
+def test_an_overshoot_grows_the_scale_at_once() -> None:
+    t = ScaleTracker(now=0.0)
+    assert t.observe(measured=130, predicted_fitted=100, now=1.0)
+    assert t.scale == pytest.approx(1.3 * GROWTH_MARGIN)
+    assert t.worst_ratio == pytest.approx(1.3)
+
+
+def test_steps_under_prediction_let_the_scale_decay_but_never_below_fitted() -> None:
+    t = ScaleTracker(now=0.0)
+    t.observe(170, 100, now=0.0)  # an early outlier (kernel compilation)
+    assert t.scale == pytest.approx(1.7 * GROWTH_MARGIN)
+    # Within the window the outlier still counts: no decay below it.
+    for s in range(1, int(SCALE_WINDOW_S)):
+        t.observe(50, 100, now=float(s))
+    assert t.scale == pytest.approx(1.7 * GROWTH_MARGIN)
+    # After it, the scale decays toward what is measured, floored at the fitted model.
+    for s in range(int(SCALE_WINDOW_S), int(SCALE_WINDOW_S) + 600):
+        t.observe(50, 100, now=float(s))
+    assert t.scale == pytest.approx(1.0, abs=0.05)
+    assert t.scale >= 1.0
+    whys = [c.why for c in t.history]
+    assert "decay toward measured" in whys and len(whys) <= 32
+
+
+def test_decay_stops_at_the_worst_recent_measurement() -> None:
+    t = ScaleTracker(now=0.0)
+    t.observe(200, 100, now=0.0)
+    for s in range(1, 400):
+        t.observe(120, 100, now=float(s))  # the model keeps under-predicting by 20%
+    assert t.scale == pytest.approx(1.2 * GROWTH_MARGIN, rel=0.03)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ratios=st.lists(st.floats(0.01, 5.0), min_size=1, max_size=200))
+def test_the_scale_always_covers_the_last_step_and_the_fitted_model(ratios: list[float]) -> None:
+    t = ScaleTracker(now=0.0)
+    for i, r in enumerate(ratios):
+        t.observe(int(r * 1_000_000), 1_000_000, now=float(i))
+        assert t.scale >= 1.0
+        assert t.scale >= r - 1e-6  # never below what a step in the window needed
+
+
+def test_observe_step_applies_the_scale_to_the_model_admission_uses() -> None:
+    gate, probe = make_gate()
+    before = costmodel.max_request_tokens(gate.model)
+    probe.active_bytes = WEIGHTS + 300 * MIB  # the step peaked far above
+    assert gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
+    assert gate.model.scale == pytest.approx(3.0 * GROWTH_MARGIN)
+    assert gate.fitted.scale == 1.0
+    assert costmodel.max_request_tokens(gate.model) < before
+    assert gate.memory.worst_measured_over_predicted == pytest.approx(3.0)
+    assert gate.scale_report(now=2.0)["scale"] == pytest.approx(3.0 * GROWTH_MARGIN, rel=1e-3)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
+                 "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"),
+    RuntimeError("[metal::malloc] Attempting to allocate 9000000000 bytes which is greater "
+                 "than the maximum allowed buffer size"),
+    RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"),
+    MemoryError(),
+])
+def test_memory_errors_are_recognised(exc: BaseException) -> None:
+    assert is_memory_error(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[reshape] Cannot reshape array of size 12 into shape (5,)"),
+    ValueError("Sequence 3 has an empty prompt."),
+    KeyError(17),
+    IndexError("list index out of range"),
+])
+def test_other_errors_are_bugs_not_memory(exc: BaseException) -> None:
+    assert not is_memory_error(exc)
+
+
+def test_a_caught_memory_error_releases_grows_and_exits_when_it_repeats() -> None:
+    gate, probe = make_gate()
+    gate.reserve(gate.can_admit(view(), 1000, 100))
+    assert not gate.memory_error(now=0.0)
+    assert gate.memory.reserved_bytes == 0 and probe.cleared >= 1
+    assert gate.model.scale == pytest.approx(1.25)
+    exits = [gate.memory_error(now=float(i)) for i in range(1, CAUGHT_ERRORS_TO_EXIT)]
+    assert exits[-1] and not any(exits[:-1])
+
+
+def test_without_admission_a_memory_error_does_not_grow_the_model() -> None:
+    gate, _ = make_gate(admission=False)
+    assert not any(gate.memory_error(now=float(i)) for i in range(5))
+    assert gate.model.scale == 1.0

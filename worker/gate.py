@@ -1,0 +1,320 @@
+"""Why did the worker take, hold back or stop a request? The worker's memory gate.
+
+The worker's twin of ``router/admission.py``: every memory decision the worker makes, as
+plain code over numbers. It takes the device probe and the clock as arguments and sees
+the engine only through an ``EngineView``; it never touches a socket or MLX. The server
+(``worker/server.py``) does the IO and asks the gate.
+
+- Admission is ask, then commit: ``can_admit`` answers without changing anything (it may
+  clear MLX's buffer cache, which is reclaimable, before saying "no room"); ``reserve``
+  records the batch's new worst case; ``rebase`` re-derives it when rows leave.
+- ``chunk`` sizes the next prefill chunk within what is left of the budget.
+- ``pressure`` handles memory that shrank under running work: stop admitting, shrink the
+  chunk, then evict the newest requests.
+- ``observe_step`` keeps the cost model honest: a step above its prediction grows the
+  scale at once; steps below it let the scale decay back toward what is measured, never
+  below the fitted model (``ScaleTracker``).
+- ``memory_error`` handles a caught out-of-memory error; ``is_memory_error`` says which
+  exceptions are one (anything else is a bug, not a reason to blame memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from common import costmodel
+from common.costmodel import CostModel
+from common.protocol import RejectReason
+from worker.memory import MemoryState, PressureAction, pressure_action
+
+log = logging.getLogger(__name__)
+
+# A step whose peak exceeds its prediction grows the scale to the overshoot and this margin.
+GROWTH_MARGIN = 1.05
+# A caught memory error grows the scale by this much (the step never finished: no measure).
+CAUGHT_ERROR_GROWTH = 1.25
+# This many caught errors within the window and the worker exits to be restarted clean.
+CAUGHT_ERRORS_TO_EXIT = 3
+CAUGHT_ERROR_WINDOW_S = 60.0
+# The scale decays toward the worst ratio measured in this window (never below 1.0: the
+# fitted model) with this half-life, and only moves when the change is at least this big,
+# so early outliers (kernel compilation, allocator warm-up) do not shrink capacity for the
+# worker's life, and a recent overshoot keeps its protection for the whole window.
+SCALE_WINDOW_S = 60.0
+SCALE_HALF_LIFE_S = 20.0
+SCALE_STEP = 0.02
+# Scale changes kept for /v1/memory.
+SCALE_HISTORY = 32
+
+# What MLX raises (or prints in the error) when a device allocation fails: Metal's command
+# buffer OOM, MLX's own allocator, CUDA's. Matched case-insensitively on the message.
+_MEMORY_ERROR = re.compile(
+    r"out of memory|outofmemory|kIOGPUCommandBufferCallbackErrorOutOfMemory|"
+    r"\[METAL\] Command buffer execution failed|\[metal::malloc\]|\[malloc\]|"
+    r"Attempting to allocate|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|"
+    r"std::bad_alloc", re.IGNORECASE)
+
+
+def is_memory_error(exc: BaseException) -> bool:
+    """Only allocation failures are memory errors; any other exception in a step is a bug."""
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_MEMORY_ERROR.search(str(exc)))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the gate needs to know of the engine, as plain numbers."""
+
+    running_totals: list[int]       # prompt + max_tokens of each running row, oldest first
+    prefilling: int = 0             # rows whose prompt is not fully processed yet
+    prefill_rows: int = 0           # rows the next step's prefill chunk covers
+
+    @property
+    def rows(self) -> int:
+        return len(self.running_totals)
+
+    @property
+    def longest(self) -> int:
+        return max(self.running_totals, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The gate's answer to "may this request join now?"."""
+
+    reason: RejectReason | None     # None: admit
+    message: str = ""
+    needed_bytes: int = 0           # never-fits: the idle cost; not-now: the batch worst case
+    worst_bytes: int = 0            # admit: the batch's new worst case, to reserve
+
+    @property
+    def admit(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleChange:
+    at: float
+    scale: float
+    why: str
+
+
+class ScaleTracker:
+    """The in-service correction of the fitted cost model: grows at once, decays slowly.
+
+    Ratios are measured/predicted by the *fitted* model (scale 1), so the scale needed to
+    cover a step is its ratio. Pure: the caller passes ``now``.
+    """
+
+    def __init__(self, now: float) -> None:
+        self.scale = 1.0
+        self.worst_ratio = 0.0          # worst measured / predicted-at-the-current-scale
+        self._window: deque[tuple[float, float]] = deque()
+        self._decayed_at = now
+        self.history: deque[ScaleChange] = deque([ScaleChange(now, 1.0, "fitted")], maxlen=SCALE_HISTORY)
+
+    def observe(self, measured: int, predicted_fitted: int, now: float) -> bool:
+        """One step's peak against the fitted prediction. True when the scale changed."""
+        if predicted_fitted <= 0:
+            return False
+        ratio = measured / predicted_fitted
+        self.worst_ratio = max(self.worst_ratio, ratio / self.scale)
+        self._window.append((now, ratio))
+        if ratio > self.scale:
+            return self._set(ratio * GROWTH_MARGIN, now, f"step peak x{ratio / self.scale:.2f} over prediction")
+        return self._decay(now)
+
+    def memory_error(self, now: float) -> bool:
+        new = self.scale * CAUGHT_ERROR_GROWTH
+        self._window.append((now, new / GROWTH_MARGIN))  # keep it for the whole window
+        return self._set(new, now, "caught memory error")
+
+    def _decay(self, now: float) -> bool:
+        while self._window and now - self._window[0][0] > SCALE_WINDOW_S:
+            self._window.popleft()
+        target = max(1.0, max((r for _, r in self._window), default=0.0) * GROWTH_MARGIN)
+        if self.scale <= target:
+            self._decayed_at = now
+            return False
+        decayed = target + (self.scale - target) * 0.5 ** ((now - self._decayed_at) / SCALE_HALF_LIFE_S)
+        if self.scale - decayed < SCALE_STEP * self.scale and decayed - target > 1e-3:
+            return False  # too small a move to publish yet; time keeps accruing
+        return self._set(decayed, now, "decay toward measured")
+
+    def _set(self, scale: float, now: float, why: str) -> bool:
+        self._decayed_at = now
+        if abs(scale - self.scale) < 1e-9:
+            return False
+        log.log(logging.WARNING if scale > self.scale else logging.INFO,
+                "cost model scale %.3f -> %.3f (%s)", self.scale, scale, why)
+        self.scale = scale
+        self.history.append(ScaleChange(now, round(scale, 4), why))
+        return True
+
+
+class MemoryGate:
+    """The worker's memory policy: admission, reservations, chunk, pressure, calibration."""
+
+    def __init__(self, memory: MemoryState, *, fitted: CostModel, admission: bool,
+                 max_running: int, now: float) -> None:
+        self.memory = memory
+        self.fitted = dataclasses.replace(fitted, scale=1.0)
+        self.admission = admission
+        self.max_running = max_running
+        self.tracker = ScaleTracker(now)
+        self.under_pressure = False
+        self._caught_errors: list[float] = []
+        memory.model = self.fitted
+
+    @property
+    def model(self) -> CostModel:
+        """The model admission uses now: the fitted one at the tracked scale."""
+        return self.memory.model
+
+    # -- admission: ask, then commit -------------------------------------------------
+
+    def can_admit(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> Decision:
+        m = self.model
+        if prompt_tokens + max_tokens > m.context_length:
+            return Decision(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
+        if view.rows >= self.max_running:
+            return Decision(RejectReason.NOT_NOW, "running cap reached")
+        if self.under_pressure:
+            return Decision(RejectReason.NOT_NOW, "memory taken by another process")
+        if not self.admission:
+            return Decision(None)
+        if costmodel.never_fits(m, prompt_tokens, max_tokens):
+            return Decision(RejectReason.NEVER_FITS, "does not fit even on an idle worker",
+                            costmodel.request_cost_bytes(m, prompt_tokens, max_tokens))
+        fits, worst = self._fits(view, prompt_tokens, max_tokens)
+        last = self.memory.last
+        if not fits and last is not None and last.cache_bytes > 0:
+            # The buffer cache is reclaimable, not lost: clear it before saying "no room".
+            self.memory.probe.clear_cache()
+            fits, worst = self._fits(view, prompt_tokens, max_tokens)
+        if not fits:
+            return Decision(RejectReason.NOT_NOW, "no room now", worst)
+        return Decision(None, worst_bytes=worst)
+
+    def reserve(self, decision: Decision) -> None:
+        """Commit an admission: the batch's worst case is now promised."""
+        if decision.admit and self.admission:
+            self.memory.reserved_bytes = decision.worst_bytes
+
+    def rebase(self, view: EngineView) -> None:
+        """Rows left (finished, cancelled, evicted): promise what the rest still need."""
+        self.memory.reserved_bytes = (costmodel.batch_cost_bytes(self.model, view.rows, view.longest, 0, 0, 0)
+                                      if view.rows and self.admission else 0)
+
+    def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
+        return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
+                                  view.prefilling, self.free_bytes())
+
+    def allocated_bytes(self) -> int:
+        """What running rows already hold above weights and baseline."""
+        mem = self.memory
+        r = mem.last or mem.refresh()
+        return max(0, r.active_bytes - mem.weights_bytes - mem.baseline_bytes)
+
+    def free_bytes(self) -> int:
+        """Live headroom minus what is promised to running rows but not yet allocated."""
+        self.memory.refresh()
+        promised = max(0, self.memory.reserved_bytes - self.allocated_bytes())
+        return self.memory.headroom_bytes() - promised
+
+    # -- the step ----------------------------------------------------------------------
+
+    def chunk(self, view: EngineView, paced: int) -> int:
+        """The next prefill chunk: the paced size, within what is left of the budget."""
+        if not self.admission:
+            return paced
+        free = max(0, self.model.budget_bytes - self.memory.reserved_bytes)
+        context = view.longest or paced
+        return min(paced, costmodel.safe_prefill_chunk(self.model, free, context, max(view.prefill_rows, 1)))
+
+    def pressure(self, view: EngineView, chunk_tokens: int) -> PressureAction:
+        """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
+        if not self.admission or not view.rows:
+            self.under_pressure = False
+            return PressureAction(admit=True, chunk_tokens=chunk_tokens, evict=0)
+        mem = self.memory
+        mem.refresh()
+        allocated = self.allocated_bytes()
+        action = pressure_action(self.model, headroom_bytes=mem.headroom_bytes(),
+                                 reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
+                                 running_totals=view.running_totals, chunk_tokens=chunk_tokens)
+        last = mem.last
+        if not action.admit and last is not None and last.cache_bytes:
+            mem.probe.clear_cache()  # reclaimable: try that before anything drastic
+            return PressureAction(admit=not self.under_pressure, chunk_tokens=chunk_tokens, evict=0)
+        if action.admit != (not self.under_pressure):
+            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B",
+                        "ended" if action.admit else "began", mem.headroom_bytes(),
+                        mem.reserved_bytes, allocated)
+        self.under_pressure = not action.admit
+        return action
+
+    def predict_step(self, view: EngineView, chunk_tokens: int, previous: EngineView | None) -> int:
+        """The fitted model's bound for this step's peak above weights and baseline.
+
+        Rows that finished last step are still being copied out of the batch cache in this
+        one (mlx-lm filters lazily), so the previous step's batch is charged too.
+        """
+        m = self.fitted
+        if not view.rows:
+            return 0
+        now = costmodel.batch_cost_bytes(m, view.rows, view.longest, chunk_tokens if view.prefill_rows else 0,
+                                         view.prefill_rows, view.longest)
+        before = costmodel.batch_cost_bytes(m, previous.rows, previous.longest, 0, 0, 0) if previous else 0
+        return max(now, before)
+
+    def observe_step(self, predicted_fitted: int, now: float) -> bool:
+        """Compare the step's measured peak with the prediction. True: the model changed."""
+        mem = self.memory
+        measured = mem.probe.step_peak() - mem.weights_bytes - mem.baseline_bytes
+        changed = self.tracker.observe(measured, predicted_fitted, now)
+        mem.worst_measured_over_predicted = self.tracker.worst_ratio
+        if changed:
+            self._apply_scale()
+        elif log.isEnabledFor(logging.DEBUG) and predicted_fitted > 0:
+            log.debug("step peak %d B, fitted prediction %d B (x%.2f)", measured, predicted_fitted,
+                      measured / predicted_fitted)
+        return changed
+
+    def memory_error(self, now: float) -> bool:
+        """A caught memory error: nothing is promised any more (the rows were failed), the
+        model grows if admission was on. True when the worker should exit and be restarted
+        (it keeps happening: state that keeps failing is not trusted)."""
+        self.memory.reserved_bytes = 0
+        self.memory.probe.clear_cache()
+        if not self.admission:  # without admission, overshooting is what was asked for
+            return False
+        self.tracker.memory_error(now)
+        self._apply_scale()
+        self._caught_errors = [t for t in self._caught_errors if now - t < CAUGHT_ERROR_WINDOW_S] + [now]
+        return len(self._caught_errors) >= CAUGHT_ERRORS_TO_EXIT
+
+    def set_fitted(self, fitted: CostModel) -> None:
+        """A new fitted model (e.g. a test hook, or a re-calibration); the scale stays."""
+        self.fitted = dataclasses.replace(fitted, scale=1.0)
+        self._apply_scale()
+
+    def grow_scale(self, factor: float, now: float) -> None:
+        """Test hook: grow the scale as an overshoot would (SIGUSR1 with --test-grow-scale)."""
+        self.tracker._set(self.tracker.scale * factor, now, "test hook")
+        self.tracker._window.append((now, self.tracker.scale / GROWTH_MARGIN))
+        self._apply_scale()
+
+    def _apply_scale(self) -> None:
+        self.memory.model = dataclasses.replace(self.fitted, scale=self.tracker.scale)
+
+    def scale_report(self, now: float) -> dict[str, Any]:
+        """The scale and its recent changes, each as [seconds ago, scale, why]."""
+        return {"scale": round(self.tracker.scale, 4),
+                "scale_history": [[round(now - c.at, 1), c.scale, c.why] for c in self.tracker.history]}

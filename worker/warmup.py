@@ -1,0 +1,102 @@
+"""Warm start: run the kernels the first requests need before the worker says hello.
+
+A fresh worker's first prefill and first decode at a new batch size pay for kernel
+compilation and allocator warm-up (on the H200 the machine's first prefill took 30-40 s;
+on the demo model on CPU the first request took several times a warm one's time to first
+token). Running a few small requests through the real engine first moves that cost
+before "ready", and its timings seed the chunk pacer with this device's real prefill
+speed instead of a CPU-sized guess. Bounded in time; skipped parts are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common import costmodel
+from common.costmodel import CostModel
+from worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# What to warm, most useful first: a prefill chunk ("p", tokens) or a decode batch ("d",
+# rows). Each is tried only while time is left; the first requests are short and few.
+PLAN = (("p", 16), ("d", 1), ("p", 64), ("d", 2), ("d", 4), ("d", 8), ("p", 256), ("p", 512),
+        ("d", 16), ("d", 32), ("p", 1024), ("p", 2048))
+DECODE_TOKENS = 3
+DECODE_PROMPT = 16
+
+
+@dataclass(slots=True)
+class WarmupReport:
+    seconds: float = 0.0
+    prefill: list[tuple[int, float]] = field(default_factory=list)   # (tokens, seconds) per step
+    batches: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int, max_batch: int,
+            budget_s: float, clock: Callable[[], float] = time.monotonic) -> WarmupReport:
+    """Prefill a few chunk sizes, then decode at a few batch sizes with each sampler path.
+
+    A part is skipped when it would not fit the memory budget, or when the prefill speed
+    measured so far says it would not finish within the time left.
+    """
+    started = clock()
+    report = WarmupReport()
+    token = min(17, max(vocab_size - 1, 0))
+
+    def affordable(prefill_tokens: int) -> bool:
+        left = budget_s - (clock() - started)
+        if left <= 0:
+            return False
+        if not report.prefill:
+            return True
+        done = sum(n for n, _ in report.prefill)
+        spent = sum(s for _, s in report.prefill)
+        return prefill_tokens * spent / max(done, 1) <= left
+
+    for kind, n in PLAN:
+        if kind == "p" and n <= max_chunk:
+            if costmodel.never_fits(model, n + 1, DECODE_TOKENS) or not affordable(n):
+                report.skipped.append(f"prefill {n}")
+                continue
+            _prefill(engine, n, token, max_chunk, clock, report)
+        elif kind == "d" and n <= max_batch:
+            if (costmodel.batch_cost_bytes(model, n, DECODE_PROMPT + DECODE_TOKENS, DECODE_PROMPT, n,
+                                           DECODE_PROMPT) > model.budget_bytes
+                    or not affordable(n * DECODE_PROMPT)):
+                report.skipped.append(f"decode x{n}")
+                continue
+            _decode(engine, n, token)
+            report.batches.append(n)
+    report.seconds = clock() - started
+    log.info("warm start in %.2fs: prefill chunks %s, decode batches %s%s", report.seconds,
+             [n for n, _ in report.prefill], report.batches,
+             f"; skipped (time or memory) {', '.join(report.skipped)}" if report.skipped else "")
+    return report
+
+
+def _prefill(engine: Engine, size: int, token: int, max_chunk: int, clock: Callable[[], float],
+             report: WarmupReport) -> None:
+    engine.set_prefill_step(size)
+    engine.add(f"warmup-p{size}", [token] * (size + 1), max_tokens=1, temperature=0.0,
+               top_p=1.0, seed=None, ignore_eos=True)
+    while engine.has_work:
+        t = clock()
+        engine.step()
+        if engine.last_prefilled_tokens:
+            report.prefill.append((engine.last_prefilled_tokens, clock() - t))
+    engine.set_prefill_step(max_chunk)
+
+
+def _decode(engine: Engine, rows: int, token: int) -> None:
+    for i in range(rows):
+        # Greedy, plain sampling and seeded top-p: each sampler path the requests use.
+        temperature, top_p, seed = ((0.0, 1.0, None), (0.8, 1.0, None), (0.7, 0.9, i))[i % 3]
+        engine.add(f"warmup-d{rows}-{i}", [token + i % 7] * DECODE_PROMPT, max_tokens=DECODE_TOKENS,
+                   temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+    while engine.has_work:
+        engine.step()
