@@ -99,22 +99,3 @@ def test_curve_link(tmp_path: Path, cache_home: Path) -> None:
         router.stop()
         if worker is not None:
             worker.stop()
-
-
-def test_router_refuses_tcp_without_curve(tmp_path: Path, cache_home: Path) -> None:
-    env = isolated_env(cache_home, tmp_path)
-    out = subprocess.run([sys.executable, "-m", "router", "--model", "demo", "--worker-addr",
-                          f"tcp://127.0.0.1:{free_port()}"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "CURVE" in out.stderr
-    loose = tmp_path / "loose"
-    generate(loose, "router")
-    (loose / "router.key_secret").chmod(0o644)
-    (tmp_path / "ok").mkdir()
-    generate(tmp_path / "ok", "w")
-    out = subprocess.run([sys.executable, "-m", "router", "--model", "demo", "--worker-addr",
-                          f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key",
-                          str(loose / "router.key_secret"), "--curve-authorized-keys",
-                          str(tmp_path / "ok")], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2 and "chmod 600" in out.stderr

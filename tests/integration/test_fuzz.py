@@ -141,8 +141,11 @@ def test_schema_driven_run_finds_no_5xx_and_no_contradiction(target: Router) -> 
 
 # -- the worker link ------------------------------------------------------------------------
 
+MSGPACK_INTS = st.integers(-2**63, 2**64 - 1)  # what msgpack can encode
+
+
 def msgpack_values() -> st.SearchStrategy[Any]:
-    scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+    scalars = (st.none() | st.booleans() | MSGPACK_INTS | st.floats()
                | st.text(max_size=10) | st.binary(max_size=10))
     return st.recursive(scalars, lambda c: st.lists(c, max_size=4)
                         | st.dictionaries(st.text(max_size=6) | st.integers(0, 9), c, max_size=4),
@@ -155,7 +158,7 @@ def frames() -> st.SearchStrategy[bytes]:
     names = sorted(set(MESSAGE_TYPES) - {"hello"})
     fields = sorted({f.name for cls in MESSAGE_TYPES.values() for f in dataclasses.fields(cls)})
     shaped = st.fixed_dictionaries(
-        {"v": st.just(1) | st.integers(), "type": st.sampled_from(names) | st.text(max_size=5)},
+        {"v": st.just(1) | MSGPACK_INTS, "type": st.sampled_from(names) | st.text(max_size=5)},
         optional={f: msgpack_values() for f in fields})
     packed = (msgpack_values() | shaped).map(lambda v: msgpack.packb(v, use_bin_type=True))
     return st.binary(max_size=300) | packed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -68,3 +69,36 @@ def test_authorized_folder(tmp_path: Path) -> None:
     b, _ = generate("b", tmp_path / "keys")
     keys = read_authorized_keys(tmp_path / "keys")  # *.key only, not the secrets
     assert keys == {read_public_key(a), read_public_key(b)}
+
+
+@pytest.fixture
+def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith(("MLX_ROUTER_", "MLX_WORKER_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+
+
+def test_router_refuses_tcp_without_curve_keys(clean_env: None, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from router.__main__ import main
+
+    assert main(["--model", "demo", "--worker-addr", "tcp://127.0.0.1:5555"]) == 2
+    assert "CURVE" in capsys.readouterr().err
+    _, secret = generate("r", tmp_path / "loose")
+    secret.chmod(0o644)
+    generate("w", tmp_path / "ok")
+    assert main(["--model", "demo", "--worker-addr", "tcp://127.0.0.1:5555", "--curve-secret-key",
+                 str(secret), "--curve-authorized-keys", str(tmp_path / "ok")]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+
+
+def test_worker_refuses_a_secret_key_others_can_read(clean_env: None, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.__main__ import main
+
+    public, secret = generate("w", tmp_path)
+    secret.chmod(0o604)
+    assert main(["--model", "demo", "--router", "tcp://127.0.0.1:5555", "--curve-server-key",
+                 str(public), "--curve-secret-key", str(secret)]) == 2
+    assert "chmod 600" in capsys.readouterr().err
