@@ -215,6 +215,9 @@ def test_header_too_large(guarded: Router) -> None:
     r = raw(guarded, "GET", "/health", {"X-Big": "y" * 5000})
     assert r.status_code in (400, 431)
     assert raw(guarded, "GET", "/health").status_code == 200
+    # One line in the log, not an ERROR with a traceback an attacker can repeat at will.
+    wait_until(lambda: "refused a malformed HTTP request" in guarded.log(), 10, "the log line")
+    assert "LineTooLong" not in guarded.log_path.read_text(errors="replace")
 
 
 def connect(router: Router, rcvbuf: int | None = None) -> socket.socket:
