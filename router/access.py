@@ -6,8 +6,8 @@ it to every request before any handler runs; ``add_cors_headers`` runs as the ap
 CORS headers as the rest.
 
 - The API key, when set, guards everything but a few open paths (``/health``,
-  ``/metrics``, ``/openapi.json``, ``/``): deny by default, so a route added later is
-  guarded without anyone remembering to. Keys are compared in constant time.
+  ``/metrics``, ``/openapi.json``, and the status page: ``/``, ``/status``, ``/static/*``):
+  deny by default, so a route added later is guarded without anyone remembering to. Keys are compared in constant time.
 - The Host check refuses a request whose Host header names another server. A web page
   that rebinds its own DNS name to 127.0.0.1 reaches a loopback port with its own name in
   Host; without this check it could drive the API from the user's browser.
@@ -37,7 +37,8 @@ from common.errors import ConfigError, HostNotAllowed, OriginNotAllowed, Unautho
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/status"})
+OPEN_PREFIXES = ("/static/",)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = ("Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, "
@@ -170,6 +171,11 @@ def exposure_warnings(cfg: RouterConfig, policy: AccessPolicy) -> list[str]:
             f"{cfg.port} can use this server (set MLX_ROUTER_API_KEY or --api-key-file)"]
 
 
+def is_open(path: str) -> bool:
+    """Paths anyone who reaches the port may read (they show no prompt, key or path)."""
+    return path in OPEN_PATHS or (path.startswith(OPEN_PREFIXES) and ".." not in path)
+
+
 def make_access_middleware(policy: AccessPolicy) -> Callable[[web.Request, Handler],
                                                               Awaitable[web.StreamResponse]]:
     @web.middleware
@@ -191,7 +197,7 @@ def make_access_middleware(policy: AccessPolicy) -> Callable[[web.Request, Handl
         authorized = policy.is_authorized(request.headers.get("Authorization"),
                                           request.headers.get("x-api-key"))
         request[AUTHORIZED] = authorized
-        if not authorized and request.path not in OPEN_PATHS:
+        if not authorized and not is_open(request.path):
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer KEY' "
                                "or 'x-api-key: KEY')")
         return await handler(request)

@@ -13,7 +13,6 @@ import json
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,11 +24,13 @@ from common.errors import (
     RequestQuarantined, RequestTimeout,
 )
 from router import admission
+from common.log import about
 from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, TokenEvent
 from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import Collector, Formatter
+from router.reqid import KEY as REQUEST_ID, make_request_id
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
@@ -145,6 +146,7 @@ class Api:
                      endpoint: str) -> web.StreamResponse:
         arrived = time.monotonic()
         status = 500
+        request_id = request.get(REQUEST_ID) or make_request_id()
         try:
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
@@ -152,7 +154,7 @@ class Api:
             check_body(body, self.limits)
             parsed = parse(body, self.default_max_tokens)
             check_max_tokens(parsed.sampling.max_tokens, self.limits)
-            job = await self._admit(parsed, arrived)
+            job = await self._admit(parsed, arrived, request_id)
             response = await self._run(request, parsed, job)
             status = response.status
             return response
@@ -160,10 +162,11 @@ class Api:
             status = exc.status
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
+                self.metrics.history.note_rejection(time.time(), request_id, endpoint, exc)
             # The message may quote the request: only its code at INFO.
-            log.info("request refused on /v1/%s: %d %s (param %s)", endpoint, exc.status,
-                     exc.code, exc.param)
-            log.debug("refused: %s", exc.message)
+            log.info("refused on /v1/%s: %d %s (param %s)", endpoint, exc.status, exc.code,
+                     exc.param, extra=about(request_id))
+            log.debug("refused: %s", exc.message, extra=about(request_id))
             raise
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -222,7 +225,7 @@ class Api:
             tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
         return tokenizer, link
 
-    async def _admit(self, parsed: Parsed, arrived: float) -> Job:
+    async def _admit(self, parsed: Parsed, arrived: float, request_id: str) -> Job:
         deadline = arrived + self.queue_timeout_s
         tokenizer, link = await self._tokenizer_for(deadline)
         # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
@@ -236,8 +239,7 @@ class Api:
                                          parsed.sampling.max_tokens)
         if error is not None:
             raise error
-        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        job = Job(request_id=prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
+        job = Job(request_id=request_id, prompt_ids=ids, sampling=parsed.sampling,
                   deadline=deadline, enqueued_at=time.monotonic())
         self.dispatcher.submit(job)
         self.metrics.prompt_tokens.inc(len(ids))
@@ -262,7 +264,9 @@ class Api:
     async def _run(self, request: web.Request, parsed: Parsed, job: Job) -> web.StreamResponse:
         assert self._tokenizer is not None
         collector = Collector(self._tokenizer.make_detokenizer(), parsed.stop, len(job.prompt_ids))
-        fmt = Formatter(parsed, job.request_id, self.model_id)
+        # The response id ends with the request id, so a client can quote either.
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        fmt = Formatter(parsed, prefix + job.request_id, self.model_id)
         self.num_in_flight += 1
         try:
             if parsed.stream:
@@ -286,12 +290,13 @@ class Api:
             self.metrics.queue_wait.observe(queued_s)
         if ttft_s is not None:
             self.metrics.ttft.observe(ttft_s)
+            self.metrics.history.note_ttft(time.time(), ttft_s)
         outcome = "client gone" if client_left and not collector.finished else (
             collector.finish_reason or "error")
-        log.info("request %s: %s, prompt %d tokens, completion %d tokens, queued %.3fs, "
-                 "ttft %s, total %.3fs", job.request_id, outcome, len(job.prompt_ids),
-                 collector.completion_tokens, queued_s,
-                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
+        log.info("finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
+                 "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
+                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
+                 extra=about(job.request_id, job.incarnation))
 
     async def _collect(self, job: Job, collector: Collector, fmt: Formatter) -> web.Response:
         while not collector.finished:

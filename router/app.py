@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -19,6 +20,7 @@ from router.curve import CurveServer
 from router.dispatch import Dispatcher
 from router.limits import Limits
 from router.openapi import build_spec
+from router.reqid import RequestIds, add_header
 from router.status import Metrics, StatusViews
 from router.supervisor import SpawnSpec, Supervisor
 
@@ -38,6 +40,7 @@ STATE = web.AppKey("state", RouterState)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 API = web.AppKey("api", Api)
+VIEWS = web.AppKey("views", StatusViews)
 
 
 def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
@@ -69,8 +72,12 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     """The router's app. Keys are read in main(), where a bad file is a clear ConfigError:
     ``api_keys`` from ``access.load_api_keys``, ``link_keys`` from ``curve.load_server_keys``."""
     policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
-    app = web.Application(middlewares=[error_middleware, access.make_access_middleware(policy)],
+    # The request id is outermost, so even an error response and its log line carry it;
+    # access comes inside the error middleware, which answers its refusals.
+    app = web.Application(middlewares=[RequestIds().middleware, error_middleware,
+                                       access.make_access_middleware(policy)],
                           client_max_size=cfg.max_body_bytes)
+    app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(access.make_cors_signal(policy))
     state = RouterState()
     metrics = Metrics()
@@ -88,8 +95,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
         log.warning("%s", warning)
     views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,
                         lambda: api.tokenizer_ready, warnings)
-    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API] = (
-        cfg, state, dispatcher, supervisor, api)
+    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API], app[VIEWS] = (
+        cfg, state, dispatcher, supervisor, api, views)
 
     async def admin_restart(request: web.Request) -> web.Response:
         supervisor.restart_now()
@@ -102,10 +109,13 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     app.router.add_get("/v1/memory", views.memory)
     app.router.add_get("/metrics", views.metrics_text)
     app.router.add_get("/", views.page)
+
     async def openapi(request: web.Request) -> web.Response:
         link = dispatcher.link
         return web.json_response(build_spec(api.limits, link.hello.context_length if link else None))
 
+    app.router.add_get("/static/{name}", views.static)
+    app.router.add_get("/status", views.status)
     app.router.add_post("/admin/workers/restart", admin_restart)
     app.router.add_get("/openapi.json", openapi)
     app.cleanup_ctx.append(_background)
@@ -117,7 +127,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher, supervisor = app[DISPATCHER], app[SUPERVISOR]
     await dispatcher.start()
     await supervisor.start()
+    sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
+    sampler.cancel()
+    await asyncio.gather(sampler, return_exceptions=True)
     await supervisor.stop()
     await dispatcher.stop()
     app[API].pool.shutdown(wait=False, cancel_futures=True)

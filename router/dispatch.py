@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from common.costmodel import CostModel
+from common.log import about
 from common.errors import (
     BadRequest, ConfigError, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker,
     ProtocolError, QueueTimeout, RequestQuarantined, WorkerLost,
@@ -134,6 +135,8 @@ class Dispatcher:
             raise RequestQuarantined(
                 "this request was running when the worker died twice; it is quarantined")
         self.backlog.push(job)
+        log.debug("queued: %d prompt tokens, max_tokens %d, %d waiting", len(job.prompt_ids),
+                  job.sampling.max_tokens, len(self.backlog), extra=about(job.request_id))
         self.pump()
 
     def cancel(self, job: Job) -> None:
@@ -141,10 +144,12 @@ class Dispatcher:
         if job.state is JobState.QUEUED:
             if self.backlog.remove(job.request_id):
                 self.metrics.cancelled.labels(where="queued").inc()
+                log.debug("cancelled while queued", extra=about(job.request_id))
         elif job.state is JobState.RUNNING and self.link and job.incarnation == self.link.incarnation:
             if self.link.in_flight.pop(job.request_id, None) is not None:
                 self._send(Cancel(incarnation=self.link.incarnation, request_id=job.request_id))
                 self.metrics.cancelled.labels(where="running").inc()
+                log.debug("cancelled while running", extra=about(job.request_id, job.incarnation))
         job.state = JobState.DONE
         self.pump()
 
@@ -173,6 +178,8 @@ class Dispatcher:
             link.step_changed_at = job.dispatched_at  # idle until now: start the stall clock
         link.in_flight[job.request_id] = job
         self.metrics.dispatched.inc()
+        log.debug("dispatched (try %d) after %.3fs queued", job.num_dispatches,
+                  job.dispatched_at - job.enqueued_at, extra=about(job.request_id, link.incarnation))
         s = job.sampling
         self._send(Generate(incarnation=link.incarnation, request_id=job.request_id,
                             prompt_ids=job.prompt_ids, max_tokens=s.max_tokens,
@@ -186,7 +193,9 @@ class Dispatcher:
         try:
             self._sock.send_multipart([link.identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or queue full
-            log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc)
+            request_id = getattr(msg, "request_id", None)
+            log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc,
+                        extra=about(request_id, link.incarnation) if request_id else None)
         self._check_readable()
 
     # -- worker lifecycle ------------------------------------------------------------
@@ -227,6 +236,8 @@ class Dispatcher:
                     "this request was running at two worker deaths and is quarantined; "
                     "it is likely what kills the worker"))
             elif job.num_output_tokens == 0 and job.num_dispatches < 2:
+                log.debug("re-queued: its worker was lost before its first token",
+                          extra=about(job.request_id, incarnation))
                 self.backlog.push_front(job)
             else:
                 job.fail(WorkerLost(f"the worker died while running this request ({why}); "
@@ -361,8 +372,8 @@ class Dispatcher:
             return error is not None
 
         for job in self.backlog.remove_where(never):
-            log.info("%s: can no longer fit (cost model scale %.3f, budget %d B); refused",
-                     job.request_id, link.model.scale, link.model.budget_bytes)
+            log.info("can no longer fit (cost model scale %.3f, budget %d B); refused",
+                     link.model.scale, link.model.budget_bytes, extra=about(job.request_id))
             job.fail(refused[job.request_id])
 
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
@@ -377,6 +388,8 @@ class Dispatcher:
                 continue  # cancelled here already
             if job.first_token_at is None:
                 job.first_token_at = now
+                log.debug("first token after %.3fs", now - job.enqueued_at,
+                          extra=about(request_id, link.incarnation))
             job.num_output_tokens += len(ids)
             if finish == FinishReason.ERROR:
                 del link.in_flight[request_id]
@@ -398,6 +411,8 @@ class Dispatcher:
         if job is None:
             return
         self.metrics.worker_rejects.labels(reason=msg.reason).inc()
+        log.debug("worker said %s: %s", msg.reason, msg.message,
+                  extra=about(msg.request_id, link.incarnation))
         if msg.reason == RejectReason.NOT_NOW:
             link.held = True  # our view was stale: wait for a fresh report before sending more
             job.num_dispatches -= 1

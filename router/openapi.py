@@ -16,6 +16,7 @@ from router.limits import MAX_STOP_CHARS, Limits
 JSON = "application/json"
 SSE = "text/event-stream"
 ERROR_STATUSES = {
+    404: "No such file",
     400: "Invalid request (the error's param names the field), context length or memory",
     401: "Missing or wrong API key",
     403: "Host or Origin not allowed",
@@ -40,6 +41,8 @@ class Endpoint:
     guarded: bool = True                               # needs the API key when one is set
     errors: tuple[int, ...] = (401, 403)
     tags: tuple[str, ...] = field(default=("api",))
+    query: dict[str, dict[str, Any]] = field(default_factory=dict)         # name -> schema
+    path_params: dict[str, dict[str, Any]] = field(default_factory=dict)   # name -> schema
 
 
 def json_of(schema: str) -> dict[str, Any]:
@@ -67,9 +70,19 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("get", "/metrics", "Prometheus metrics",
              {200: ("Prometheus text", {"text/plain": {"schema": {"type": "string"}}})},
              guarded=False, errors=(403,), tags=("status",)),
-    Endpoint("get", "/", "A small status page",
+    Endpoint("get", "/", "The status page",
              {200: ("HTML", {"text/html": {"schema": {"type": "string"}}})},
              guarded=False, errors=(403,), tags=("status",)),
+    Endpoint("get", "/status", "The status page's data (what `mlx-router status` shows)",
+             {200: ("Status", json_of("Status"))}, guarded=False, errors=(400, 403),
+             tags=("status",), query={"since": {"type": "number"}}),
+    Endpoint("get", "/static/{name}", "The status page's script and style",
+             {200: ("A file", {"text/css": {"schema": {"type": "string"}},
+                               "text/javascript": {"schema": {"type": "string"}},
+                               "image/svg+xml": {"schema": {"type": "string"}},
+                               "text/html": {"schema": {"type": "string"}}})},
+             guarded=False, errors=(403, 404), tags=("status",),
+             path_params={"name": {"type": "string"}}),
     Endpoint("get", "/openapi.json", "This document",
              {200: ("OpenAPI 3.1", {JSON: {"schema": {"type": "object"}}})},
              guarded=False, errors=(403,), tags=("status",)),
@@ -83,7 +96,12 @@ def _operation(e: Endpoint) -> dict[str, Any]:
     for status in e.errors:
         responses[str(status)] = {"description": ERROR_STATUSES[status], "content": json_of("Error")}
     op: dict[str, Any] = {"summary": e.summary, "tags": list(e.tags), "responses": responses,
-                          "operationId": f"{e.method}{e.path.replace('/', '_').replace('.', '_')}"}
+                          "operationId": e.method + "".join(c if c.isalnum() else "_" for c in e.path)}
+    params = [{"name": n, "in": "query", "required": False, "schema": v} for n, v in e.query.items()]
+    params += [{"name": n, "in": "path", "required": True, "schema": v}
+               for n, v in e.path_params.items()]
+    if params:
+        op["parameters"] = params
     if e.request is not None:
         op["requestBody"] = {"required": True, "content": json_of(e.request)}
     op["security"] = [{"bearer": []}, {"apiKey": []}] if e.guarded else []
@@ -189,6 +207,9 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
         "Memory": {"type": "object", "required": ["queued", "workers"], "properties": {
             "queued": {"type": "integer", "minimum": 0},
             "workers": {"type": "array", "items": {"type": "object"}}}},
+        "Status": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string"}, "model": {"type": "string"},
+            "warnings": {"type": "array", "items": {"type": "string"}}}},
         "Restarting": {"type": "object", "required": ["status"], "properties": {
             "status": {"const": "restarting"}, "workers": {"type": "array", "items": ref("Worker")}}},
     }

@@ -27,8 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mlx-worker: {exc.message}", file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, sys.argv[1:] if argv is None else argv)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker")
     incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker",
+                  context={"incarnation": incarnation, "model": cfg.model})
 
     from worker.loader import LoadError, load_model  # imports mlx: after config is good
 

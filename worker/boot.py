@@ -18,7 +18,8 @@ from common.version import __version__
 from worker.calibrate import cache_key, calibrate
 from worker.engine import Engine
 from worker.loader import LoadedModel, context_length
-from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
+from worker.devices import make_probe
+from worker.memory import MemoryState, ModelShape, static_cost_model
 from worker.server import ServerOptions, WorkerServer
 from worker.warmup import warm_up
 
@@ -67,10 +68,12 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
 
 def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                  cache_dir: Path | None, curve: ClientKeys | None = None) -> WorkerServer:
-    probe = MlxProbe(cfg.memory_limit_mb)
+    probe = make_probe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
-    active = probe.read().active_bytes
-    baseline = max(0, active - shape.weights_bytes)
+    # Everything this process holds beyond the weights (on CUDA the context and library
+    # workspaces that MLX's allocator never counts): the budget must not promise it.
+    idle = probe.read()
+    baseline = max(0, idle.used_bytes - shape.weights_bytes)
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
                                prefill_step_tokens=cfg.prefill_step_size,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
@@ -82,7 +85,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
-                         baseline_bytes=baseline)
+                         baseline_bytes=baseline,
+                         active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
     memory.extra["calibration"] = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),

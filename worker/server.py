@@ -24,6 +24,7 @@ import zmq
 from common import costmodel
 from common.curve import ClientKeys
 from common.errors import ProtocolError
+from common.log import about
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
@@ -221,8 +222,9 @@ class WorkerServer:
             self.admit(msg)
         elif isinstance(msg, Cancel):
             if self.engine.cancel(msg.request_id):
+                self.gate.rebase(self.view())  # its promise goes with it
                 self._changed = True
-                log.debug("cancelled %s", msg.request_id)
+                log.debug("cancelled", extra=about(msg.request_id))
         elif isinstance(msg, Shutdown):
             self.stop_reason = "asked by router" + (f": {msg.reason}" if msg.reason else "")
         elif isinstance(msg, Heartbeat):
@@ -235,8 +237,8 @@ class WorkerServer:
             decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
             if not decision.admit:
                 assert decision.reason is not None
-                log.debug("%s %s: %s (%d bytes)", decision.reason, msg.request_id, decision.message,
-                          decision.needed_bytes)
+                log.debug("%s: %s (%d bytes)", decision.reason, decision.message,
+                          decision.needed_bytes, extra=about(msg.request_id))
                 reject = self._reject(msg, decision.reason, decision.message, decision.needed_bytes)
         if reject is not None:
             self.send(reject)
@@ -246,8 +248,8 @@ class WorkerServer:
                         ignore_eos=msg.ignore_eos)
         self.gate.reserve(decision)
         self._changed = True
-        log.debug("admitted %s: %d prompt tokens, max_tokens %d",
-                  msg.request_id, len(msg.prompt_ids), msg.max_tokens)
+        log.debug("admitted: %d prompt tokens, max_tokens %d", len(msg.prompt_ids), msg.max_tokens,
+                  extra=about(msg.request_id))
 
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
@@ -277,7 +279,7 @@ class WorkerServer:
         running = list(self.engine.running)
         evicted = running[len(running) - action.evict:] if action.evict else []
         for request_id in evicted:
-            log.warning("evicting %s: memory taken by another process", request_id)
+            log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)
         if evicted:
             self.gate.rebase(self.view())
@@ -286,6 +288,9 @@ class WorkerServer:
 
     def step(self) -> list[Output]:
         if not self.engine.has_work or self._broken:
+            if self.memory.reserved_bytes and not self.engine.has_work:
+                self.gate.rebase(self.view())  # nothing runs: nothing is promised
+                self._changed = True
             return []
         self.memory.probe.reset_peak()
         view = self._size_chunk()
@@ -375,6 +380,10 @@ class WorkerServer:
 
     def send_outputs(self, outputs: list[Output]) -> None:
         rows = [[o.request_id, o.token_ids, o.finish_reason] for o in outputs]
+        if log.isEnabledFor(logging.DEBUG):
+            for o in outputs:
+                if o.finish_reason is not None:
+                    log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
         self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows))
 
     def publish_status(self, force: bool = False) -> None:
