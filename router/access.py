@@ -33,12 +33,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from common.config import RouterConfig
-from common.errors import ConfigError, HostNotAllowed, OriginNotAllowed, Unauthorized
+from common.errors import ConfigError, HeadroomError, HostNotAllowed, OriginNotAllowed, Unauthorized
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/status"})
-OPEN_PREFIXES = ("/static/",)
+# Routes (as registered) anyone who reaches the port may read: no prompt, key or path.
+OPEN_ROUTES = frozenset({"/", "/health", "/metrics", "/openapi.json", "/status", "/static/{name}"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = ("Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, "
@@ -171,15 +171,26 @@ def exposure_warnings(cfg: RouterConfig, policy: AccessPolicy) -> list[str]:
             f"{cfg.port} can use this server (set MLX_ROUTER_API_KEY or --api-key-file)"]
 
 
-def is_open(path: str) -> bool:
-    """Paths anyone who reaches the port may read (they show no prompt, key or path)."""
-    return path in OPEN_PATHS or (path.startswith(OPEN_PREFIXES) and ".." not in path)
+def is_open(request: web.Request) -> bool:
+    """Judged by the route that will run, not the path's spelling (encoded slashes, dots)."""
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical in OPEN_ROUTES
 
 
-def make_access_middleware(policy: AccessPolicy) -> Callable[[web.Request, Handler],
-                                                              Awaitable[web.StreamResponse]]:
+def make_access_middleware(
+    policy: AccessPolicy, on_refused: Callable[[web.Request, HeadroomError], None] = lambda r, e: None,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """The middleware; ``on_refused`` hears of each refusal (counted and shown in /status)."""
+
     @web.middleware
     async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await check(request, handler)
+        except (HostNotAllowed, OriginNotAllowed, Unauthorized) as exc:
+            on_refused(request, exc)
+            raise
+
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host")
         if not policy.is_host_allowed(host):
             raise HostNotAllowed("this server does not answer to that Host name "
@@ -197,7 +208,7 @@ def make_access_middleware(policy: AccessPolicy) -> Callable[[web.Request, Handl
         authorized = policy.is_authorized(request.headers.get("Authorization"),
                                           request.headers.get("x-api-key"))
         request[AUTHORIZED] = authorized
-        if not authorized and not is_open(request.path):
+        if not authorized and not is_open(request):
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer KEY' "
                                "or 'x-api-key: KEY')")
         return await handler(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from common.config import RouterConfig
 from common.curve import ServerKeys
+from common.errors import HeadroomError
 from router import access
 from router.access import AccessPolicy
 from router.api import Api, error_middleware
@@ -20,6 +22,7 @@ from router.curve import CurveServer
 from router.dispatch import Dispatcher
 from router.limits import Limits
 from router.openapi import build_spec
+from router.reqid import KEY as REQUEST_ID
 from router.reqid import RequestIds, add_header
 from router.status import Metrics, StatusViews
 from router.supervisor import SpawnSpec, Supervisor
@@ -74,13 +77,20 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
     # The request id is outermost, so even an error response and its log line carry it;
     # access comes inside the error middleware, which answers its refusals.
+    state = RouterState()
+    metrics = Metrics()
+
+    def note_refusal(request: web.Request, exc: HeadroomError) -> None:
+        metrics.rejections.labels(code=exc.code).inc()
+        resource = request.match_info.route.resource
+        metrics.history.note_rejection(time.time(), request.get(REQUEST_ID),
+                                       resource.canonical if resource else "-", exc)
+
     app = web.Application(middlewares=[RequestIds().middleware, error_middleware,
-                                       access.make_access_middleware(policy)],
+                                       access.make_access_middleware(policy, note_refusal)],
                           client_max_size=cfg.max_body_bytes)
     app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(access.make_cors_signal(policy))
-    state = RouterState()
-    metrics = Metrics()
     dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics,
                             curve=CurveServer(link_keys, metrics) if link_keys else None)
     spawn = SpawnSpec(worker_argv(cfg, addr), worker_env(env)) if cfg.worker_mode == "spawn" else None

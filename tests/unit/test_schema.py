@@ -337,3 +337,11 @@ def test_arbitrary_json_raises_only_bad_request(parse: Any, body: Any) -> None:
         parse(body, DEFAULT_MAX)
     except BadRequest:
         pass
+
+
+@pytest.mark.parametrize("role", [[], {}, ["user"], {"a": 1}])
+def test_an_unhashable_role_is_a_400_not_a_crash(role: Any) -> None:
+    """Found by the schemathesis run: ``[] in frozenset`` raises TypeError."""
+    with pytest.raises(BadRequest) as info:
+        parse_chat({"messages": [{"role": role, "content": "hi"}]}, 8)
+    assert info.value.param == "messages[0].role"
