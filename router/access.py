@@ -7,7 +7,8 @@ CORS headers as the rest.
 
 - The API key, when set, guards everything but a few open paths (``/health``,
   ``/metrics``, ``/openapi.json``, and the status page: ``/``, ``/status``, ``/static/*``):
-  deny by default, so a route added later is guarded without anyone remembering to. Keys are compared in constant time.
+  deny by default, so a route added later is guarded without anyone remembering to.
+  Keys are compared in constant time.
 - The Host check refuses a request whose Host header names another server. A web page
   that rebinds its own DNS name to 127.0.0.1 reaches a loopback port with its own name in
   Host; without this check it could drive the API from the user's browser.
@@ -185,12 +186,14 @@ def make_access_middleware(
     @web.middleware
     async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            return await check(request, handler)
+            preflight = check(request)
         except (HostNotAllowed, OriginNotAllowed, Unauthorized) as exc:
             on_refused(request, exc)
             raise
+        return preflight if preflight is not None else await handler(request)
 
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def check(request: web.Request) -> web.Response | None:
+        """Raise if the request may not go on; a CORS preflight is answered here."""
         host = request.headers.get("Host")
         if not policy.is_host_allowed(host):
             raise HostNotAllowed("this server does not answer to that Host name "
@@ -211,7 +214,7 @@ def make_access_middleware(
         if not authorized and not is_open(request):
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer KEY' "
                                "or 'x-api-key: KEY')")
-        return await handler(request)
+        return None
 
     return access_middleware
 
