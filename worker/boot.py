@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 PREFILL_BATCH_SIZE = 8
 # Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
 # first kernels can take tens of seconds to compile, better before "ready" than after.
-WARMUP_BUDGET_S = {"cpu": 2.0}
+WARMUP_BUDGET_S = {"cpu": 1.0}
 WARMUP_BUDGET_DEFAULT_S = 60.0
 
 
