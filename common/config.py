@@ -61,8 +61,9 @@ class RouterConfig:
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(8080, "Port to listen on.")
     api_key: str | None = opt(
-        None, "Require this key on /v1/* and /admin/* ('Authorization: Bearer KEY' or "
-        "'x-api-key: KEY'); prefer MLX_ROUTER_API_KEY or --api-key-file, a flag shows in ps.")
+        None, "Require this key on every route but /health, /metrics, /openapi.json and the "
+        "status page ('Authorization: Bearer KEY' or 'x-api-key: KEY'); prefer "
+        "MLX_ROUTER_API_KEY or --api-key-file, a flag shows in ps.")
     api_key_file: str | None = opt(
         None, "File with the API key (one key a line; # comments); must not be readable by "
         "group or others.")
