@@ -7,8 +7,11 @@ error into the OpenAI error shape with the right status and ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,14 +21,15 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import (
-    BadRequest, HeadroomError, NoWorker, PayloadTooLarge, QueueTimeout, RequestQuarantined,
-    Unauthorized,
+    BadRequest, ConfigError, HeadroomError, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
+    RequestQuarantined, RequestTimeout,
 )
 from router import admission
 from common.log import about
 from common.protocol import Hello
 from router.dispatch import Dispatcher
 from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
+from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import Collector, Formatter
 from router.plan import plan_output, template_tools
 from router.reqid import KEY as REQUEST_ID, make_request_id
@@ -44,9 +48,13 @@ INLINE_TOKENIZE_CHARS = 2048
 # A stream with nothing to say for this long sends an SSE comment, so a vanished client is
 # noticed (the write fails) even during a long prefill or wait in the queue.
 KEEPALIVE_S = 5.0
+# How often a stream whose client is behind looks at its buffer again (only while behind).
+DRAIN_POLL_S = 0.05
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Errors that are the server's own trouble, never the client's business in detail.
+INTERNAL_ERRORS = (HeadroomError, ConfigError, ProtocolError)
 
 
 @web.middleware
@@ -54,7 +62,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except HeadroomError as exc:
-        return error_response(exc)
+        return error_response(public_error(exc))
     except web.HTTPRequestEntityTooLarge:
         return error_response(PayloadTooLarge("the request body is too large"))
     except web.HTTPException as exc:
@@ -68,6 +76,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(HeadroomError("internal server error"))
+
+
+class SlowReader(Exception):
+    """The client stopped reading its stream; its connection is already closed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client stopped reading its stream")
+        self.response = response
+
+
+def public_error(exc: HeadroomError) -> HeadroomError:
+    """The error a client may see: the server's own troubles are told only in the log."""
+    if type(exc) not in INTERNAL_ERRORS:
+        return exc
+    # Its message may name files (a model folder, a config path): keep it in the log.
+    log.error("internal error answered as a 500: %s", exc.message)
+    return HeadroomError("internal server error")
 
 
 def error_response(exc: HeadroomError) -> web.Response:
@@ -93,8 +118,9 @@ class Api:
     """The OpenAI-compatible endpoints."""
 
     def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
-                 default_max_tokens: int, max_n: int, tool_parser: str, queue_timeout_s: float, api_key: str | None,
-                 is_draining: Callable[[], bool]) -> None:
+                 default_max_tokens: int, queue_timeout_s: float, limits: Limits,
+                 is_draining: Callable[[], bool], trust_remote_code: bool = False,
+                 max_n: int = 1, tool_parser: str = "auto") -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_id = model_id
@@ -102,7 +128,8 @@ class Api:
         self.max_n = max_n
         self.tool_parser = tool_parser
         self.queue_timeout_s = queue_timeout_s
-        self.api_key = api_key
+        self.limits = limits
+        self.trust_remote_code = trust_remote_code
         self.is_draining = is_draining
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._tokenizer: RouterTokenizer | None = None
@@ -111,14 +138,7 @@ class Api:
         self._tokenizer_task: asyncio.Future[RouterTokenizer] | None = None
         self.num_in_flight = 0
 
-    def check_auth(self, request: web.Request) -> None:
-        if self.api_key is None:
-            return
-        if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
-
     async def models(self, request: web.Request) -> web.Response:
-        self.check_auth(request)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom"}]})
 
@@ -134,10 +154,12 @@ class Api:
         status = 500
         request_id = request.get(REQUEST_ID) or make_request_id()
         try:
-            self.check_auth(request)
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
-            parsed = parse(await self._json(request), self.default_max_tokens, self.max_n)
+            body = await self._json(request)
+            check_body(body, self.limits)
+            parsed = parse(body, self.default_max_tokens, self.max_n)
+            check_max_tokens(parsed.sampling.max_tokens, self.limits)
             rows = await self._admit(parsed, arrived, request_id)
             response = await self._run(request, parsed, rows)
             status = response.status
@@ -147,18 +169,27 @@ class Api:
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
                 self.metrics.history.note_rejection(time.time(), request_id, endpoint, exc)
-            log.info("refused on /v1/%s: %d %s: %s", endpoint, exc.status, exc.code, exc.message,
-                     extra=about(request_id))
+            # The message may quote the request: only its code at INFO.
+            log.info("refused on /v1/%s: %d %s (param %s)", endpoint, exc.status, exc.code,
+                     exc.param, extra=about(request_id))
+            log.debug("refused: %s", exc.message, extra=about(request_id))
             raise
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise RequestTimeout("the request body did not arrive within "
+                                 f"{self.limits.request_timeout_s:g}s (--request-timeout)") from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply") from None
 
     def preload_tokenizer(self, hello: Hello) -> None:
         """Load the tokenizer as soon as a worker says hello, not at the first request."""
@@ -177,7 +208,9 @@ class Api:
         async with self._tokenizer_lock:
             if self._tokenizer is None or self._tokenizer_path != path:
                 loop = asyncio.get_running_loop()
-                self._tokenizer = await loop.run_in_executor(self.pool, RouterTokenizer.load, path)
+                self._tokenizer = await loop.run_in_executor(
+                    self.pool, functools.partial(RouterTokenizer.load, path,
+                                                 trust_remote_code=self.trust_remote_code))
                 self._tokenizer_path = path
             return self._tokenizer
 
@@ -214,6 +247,8 @@ class Api:
         if plan.grammar is not None:
             sampling = replace(sampling, params=replace(sampling.params, grammar=plan.grammar))
         for ids in prompts:
+            check_prompt_tokens(len(ids), self.limits,
+                                "messages" if parsed.messages is not None else "prompt")
             error = admission.check_ever(link.model, link.hello.admission, len(ids),
                                          parsed.sampling.max_tokens)
             if error is not None:
@@ -279,7 +314,10 @@ class Api:
         self.num_in_flight += 1
         try:
             if parsed.stream:
-                return await self._stream(request, rows, collectors, fmt)
+                try:
+                    return await self._stream(request, rows, collectors, fmt)
+                except SlowReader as exc:
+                    return exc.response  # the jobs are cancelled below, their rows freed
             return await self._collect(rows, collectors, fmt)
         finally:
             self.num_in_flight -= 1
@@ -328,23 +366,48 @@ class Api:
                     index, event = await rows.events.get()
             except TimeoutError:
                 response = response or await self._start_stream(request)
-                await response.write(b": keepalive\n\n")
+                await self._write(request, response, b": keepalive\n\n")
                 continue
             if isinstance(event, HeadroomError):
                 if response is None:
                     raise event  # nothing sent yet: a plain HTTP error is clearer
-                await response.write(sse(event.to_body(), event="error") + b"data: [DONE]\n\n")
+                await self._write(request, response,
+                                  sse(event.to_body(), event="error") + b"data: [DONE]\n\n")
                 return response
             response = response or await self._start_stream(request)
             chunk = self._drain(rows, collectors, fmt, index, event)
             if chunk:
-                await response.write(chunk)
+                await self._write(request, response, chunk)
         assert response is not None
         tail = b""
         if fmt.include_usage:
             tail += sse(fmt.usage_chunk(collectors, rows.prompt_tokens))
-        await response.write(tail + b"data: [DONE]\n\n")
+        await self._write(request, response, tail + b"data: [DONE]\n\n")
         return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """Write to the stream; a client that leaves the buffer full too long is dropped.
+
+        ``write`` waits while the transport holds more than --stream-buffer-bytes, so a
+        client that stops reading cannot make the router hold its output without bound; past
+        --slow-reader-timeout the request is cancelled (``_run`` frees its worker row) and
+        the connection closed.
+        """
+        transport = request.transport
+        try:
+            async with asyncio.timeout(self.limits.slow_reader_timeout_s):
+                await response.write(data)
+                # aiohttp waits for the socket only every 64 KiB written; hold to our bound.
+                while transport is not None and \
+                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes:
+                    await asyncio.sleep(DRAIN_POLL_S)
+        except TimeoutError:
+            self.metrics.slow_readers.inc()
+            log.info("dropping a stream whose client stopped reading for %.0fs",
+                     self.limits.slow_reader_timeout_s)
+            if transport is not None:
+                transport.abort()
+            raise SlowReader(response) from None
 
     def _drain(self, rows: Rows, collectors: list[Collector], fmt: Formatter, index: int,
                event: TokenEvent) -> bytes:
@@ -371,6 +434,12 @@ class Api:
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None:
+            # The kernel's send buffer autotunes to megabytes for a peer that does not read;
+            # a token stream needs far less, and this keeps the whole buffer bounded.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.stream_buffer_bytes)
         return response
 
 

@@ -20,8 +20,8 @@ import zmq
 from common.costmodel import CostModel
 from common.log import about
 from common.errors import (
-    BadRequest, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker, ProtocolError,
-    QueueTimeout, RequestQuarantined, WorkerLost,
+    BadRequest, ConfigError, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker,
+    ProtocolError, QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, FinishReason, Generate, Heartbeat, Hello,
@@ -29,6 +29,7 @@ from common.protocol import (
 )
 from router import admission
 from router.backlog import Backlog
+from router.curve import CurveServer
 from router.job import Job, JobState, TokenEvent
 from router.quarantine import Quarantine
 
@@ -72,12 +73,14 @@ class Dispatcher:
     """Owns the socket, the backlog and the in-flight jobs of the current worker."""
 
     def __init__(self, addr: str, backlog: Backlog, metrics: Any,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 curve: CurveServer | None = None) -> None:
         self.addr = addr
         self.backlog = backlog
         self.metrics = metrics
         self.clock = clock
         self.quarantine = Quarantine()
+        self.curve = curve
         self.link: WorkerLink | None = None
         self.num_bad_frames = 0
         self.hello_listeners: list[Callable[[Hello], None]] = []
@@ -102,6 +105,10 @@ class Dispatcher:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.curve is not None:
+            self.curve.secure(self._ctx, self._sock)
+        elif self.addr.startswith("tcp://"):  # config refuses it too; never bind it open
+            raise ConfigError(f"refusing to bind {self.addr} without CURVE keys")
         self._sock.bind(self.addr)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._on_readable)
@@ -114,6 +121,8 @@ class Dispatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._loop is not None:
             self._loop.remove_reader(self._sock.FD)
+        if self.curve is not None:
+            await self.curve.stop(self._sock)
         self._sock.close(0)
         self._ctx.term()
 

@@ -111,7 +111,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise BadRequest(f"{param} must be an object", param=param)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or dict is unhashable
         raise BadRequest(f"{param}.role must be one of {sorted(ROLES)}, got {role!r}",
                          param=f"{param}.role")
     content = m.get("content")

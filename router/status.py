@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, E
 from prometheus_client import generate_latest
 
 from common.version import __version__
+from router.access import AUTHORIZED
 from router.dispatch import Dispatcher
 from router.history import SAMPLE_INTERVAL_S, History, Sample
 from router.supervisor import Supervisor, WorkerState
@@ -57,6 +58,12 @@ class Metrics:
         self.cancelled = Counter("headroom_cancelled_requests",
                                  "Requests cancelled (client gone or stop string), by where.",
                                  ["where"], registry=r)
+        self.slow_readers = Counter("headroom_slow_readers",
+                                    "Streams dropped because their client stopped reading.",
+                                    registry=r)
+        self.refused_handshakes = Counter(
+            "headroom_refused_handshakes", "Worker connections refused by CURVE, by reason.",
+            ["reason"], registry=r)
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
         self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
                             ["field"], registry=r)
@@ -86,13 +93,15 @@ class StatusViews:
     """Handlers for the operator endpoints; they read state, they never change it."""
 
     def __init__(self, dispatcher: Dispatcher, supervisor: Supervisor, metrics: Metrics,
-                 model_id: str, is_draining: Any, tokenizer_ready: Any) -> None:
+                 model_id: str, is_draining: Any, tokenizer_ready: Any,
+                 warnings: list[str] | None = None) -> None:
         self.dispatcher = dispatcher
         self.supervisor = supervisor
         self.metrics = metrics
         self.model_id = model_id
         self.is_draining = is_draining
         self.tokenizer_ready = tokenizer_ready
+        self.warnings = list(warnings or [])
 
     def worker_summary(self) -> dict[str, Any]:
         summary = self.supervisor.describe()
@@ -104,8 +113,13 @@ class StatusViews:
             summary["max_request_tokens"] = report.get("max_request_tokens")
         return summary
 
-    def health_body(self) -> tuple[int, dict[str, Any]]:
+    def health_body(self, detailed: bool = True) -> tuple[int, dict[str, Any]]:
+        """``detailed=False`` (a caller without the API key) leaves out what could name a
+        file: the worker's log tail and a model given as a path."""
         worker = self.worker_summary()
+        if not detailed and worker.get("last_exit"):
+            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                   if k != "stderr_tail"}
         ready = worker["state"] == WorkerState.READY.value
         ok = ready and self.tokenizer_ready() and not self.is_draining()
         if ok:
@@ -114,15 +128,16 @@ class StatusViews:
             status = "draining"
         else:
             status = "loading tokenizer" if ready else worker["state"]
-        body = {"status": status, "model": self.model_id, "queued": len(self.dispatcher.backlog),
-                "workers": [worker]}
+        model = self.model_id if detailed else public_model_name(self.model_id)
+        body = {"status": status, "model": model, "queued": len(self.dispatcher.backlog),
+                "workers": [worker], "warnings": self.warnings}
         if self.dispatcher.refused is not None:
             body["refused_workers"] = [{**self.dispatcher.refused,
                                         "reason": "protocol version mismatch"}]
         return (200 if ok else 503), body
 
     async def health(self, request: web.Request) -> web.Response:
-        code, body = self.health_body()
+        code, body = self.health_body(detailed=request.get(AUTHORIZED, False))
         return web.json_response(body, status=code)
 
     async def memory(self, request: web.Request) -> web.Response:
@@ -187,7 +202,7 @@ class StatusViews:
                 "running": sum(w["running"] for w in workers),
                 "tokens_per_s": latest.tokens_per_s if latest else 0.0,
                 "ttft": history.ttft_summary(now), "workers": workers,
-                "rejections": history.recent_rejections(),
+                "rejections": history.recent_rejections(), "warnings": health["warnings"],
                 "sample_interval_s": SAMPLE_INTERVAL_S, "window_s": history.window_s,
                 "history": history.samples_since(since)}
 

@@ -144,8 +144,12 @@ class RouterTokenizer:
         self._byte_run_ids = frozenset() if self._byte_table is not None else _byte_fallback_ids(backend)
 
     @classmethod
-    def load(cls, path: str | Path) -> RouterTokenizer:
-        """Load the tokenizer of a local Hugging Face model folder, offline."""
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> RouterTokenizer:
+        """Load the tokenizer of a local Hugging Face model folder, offline.
+
+        A folder's own Python (a custom tokenizer class in ``auto_map``) runs only with
+        ``trust_remote_code``; otherwise transformers refuses such a folder.
+        """
         folder = Path(path)
         if not folder.is_dir():  # else transformers takes the path for a hub repo id
             raise ConfigError(f"model folder {folder} does not exist", param="model")
@@ -153,7 +157,8 @@ class RouterTokenizer:
         from transformers import AutoTokenizer
 
         try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                               trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}", param="model") from exc
         backend = getattr(hf, "backend_tokenizer", None)

@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 from common import costmodel
 from common.config import WorkerConfig
+from common.curve import ClientKeys
 from common.protocol import Hello
 from common.version import __version__
 from worker.calibrate import cache_key, calibrate
@@ -67,7 +68,7 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
 
 
 def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
-                 cache_dir: Path | None) -> WorkerServer:
+                 cache_dir: Path | None, curve: ClientKeys | None = None) -> WorkerServer:
     probe = make_probe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
     # Everything this process holds beyond the weights (on CUDA the context and library
@@ -117,7 +118,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                          oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
                          max_running=max_running, vocab_size=shape.vocab_size,
                          wedge_after_steps=cfg.test_wedge_after_steps,
-                         grow_scale_on_signal=cfg.test_grow_scale)
+                         grow_scale_on_signal=cfg.test_grow_scale, curve=curve)
     log.info("device %s, limit %d MiB, weights %d MiB, budget %d MiB, KV %d B/token, "
              "max request %d tokens, oom guard %s, admission %s",
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from common import costmodel
+from common.curve import ClientKeys
 from common.errors import ProtocolError
 from common.log import about
 from common.protocol import (
@@ -59,10 +60,14 @@ class ServerOptions:
     vocab_size: int
     wedge_after_steps: int | None = None
     grow_scale_on_signal: float | None = None   # test hook: SIGUSR1 grows the scale by this
+    curve: ClientKeys | None = None     # CURVE keys for a tcp:// router
 
 
-def make_socket(ctx: zmq.Context, addr: str, identity: bytes) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, addr: str, identity: bytes,
+                curve: ClientKeys | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(sock)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -85,7 +90,7 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         opts = self._server.opts
-        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode())
+        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode(), opts.curve)
         try:
             while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
                 engine = self._server.engine
@@ -112,7 +117,7 @@ class WorkerServer:
         self.gate = MemoryGate(memory, fitted=memory.model, admission=opts.admission,
                                max_running=opts.max_running, now=clock())
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode())
+        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
         self.stop_reason: str | None = None
         self.num_bad_frames = 0

@@ -415,3 +415,11 @@ def test_assistant_tool_calls_and_tool_messages_in_history() -> None:
 def test_tool_call_arguments_must_be_json() -> None:
     bad = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
     assert refused(parse_chat, {"messages": [USER[0], bad]}).param == "messages[1].tool_calls"
+
+
+@pytest.mark.parametrize("role", [[], {}, ["user"], {"a": 1}])
+def test_an_unhashable_role_is_a_400_not_a_crash(role: Any) -> None:
+    """Found by the schemathesis run: ``[] in frozenset`` raises TypeError."""
+    with pytest.raises(BadRequest) as info:
+        parse_chat({"messages": [{"role": role, "content": "hi"}]}, 8)
+    assert info.value.param == "messages[0].role"
