@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from common.errors import ProtocolError
-from common.protocol import MESSAGE_TYPES, Generate, Hello, Status, Tokens, decode, encode
+from common.protocol import (
+    MESSAGE_TYPES, Generate, Hello, SamplingParams, Status, Tokens, decode, encode,
+)
 from router.openapi import ENDPOINTS
 from tests.conftest import wait_until
 from tests.integration.conftest import Proc, Router, isolated_env, start_router
@@ -226,7 +228,7 @@ def test_arbitrary_frames_into_a_worker(tmp_path: Path, cache_home: Path) -> Non
         send()
         router.send_multipart([identity, encode(Generate(
             incarnation=hello.incarnation, request_id="after-fuzz", prompt_ids=[5, 6, 7],
-            max_tokens=3, ignore_eos=True))])
+            max_tokens=3, sampling=SamplingParams(ignore_eos=True)))])
         wait_until(lambda: finished(router, worker, "after-fuzz"), 60, "the worker to serve",
                    on_fail=worker.log)
         wait_until(lambda: reported_bad(router) >= sent_bad, 30, f"{sent_bad} bad frames counted",
