@@ -25,6 +25,8 @@ __all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt",
            "permanent_exit"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Tool-call families router/tools.py parses (kept here: common never imports the router).
+TOOL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony")
 OOM_GUARDS = ("abort", "raise", "off")
 SERVICE_MANAGERS = ("none", "launchd", "systemd")
 
@@ -60,11 +62,55 @@ class RouterConfig:
     model: str = opt("", "Model: a local mlx-lm folder, a Hugging Face repo id, or 'demo'.")
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(8080, "Port to listen on.")
-    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on API requests.")
+    api_key: str | None = opt(
+        None, "Require this key on every route but /health, /metrics, /openapi.json and the "
+        "status page ('Authorization: Bearer KEY' or 'x-api-key: KEY'); prefer "
+        "MLX_ROUTER_API_KEY or --api-key-file, a flag shows in ps.")
+    api_key_file: str | None = opt(
+        None, "File with the API key (one key a line; # comments); must not be readable by "
+        "group or others.")
+    allowed_host: tuple[str, ...] = opt(
+        (), "A Host name besides localhost, 127.0.0.1 and [::1] that requests may carry "
+        "(repeatable); turns the Host check on when bound off loopback.")
+    cors_origin: tuple[str, ...] = opt(
+        (), "A browser origin allowed to call the API, exactly as sent "
+        "(e.g. https://app.example.com; repeatable). Default: no cross-origin access.")
+    max_prompt_tokens: int | None = opt(
+        None, "Longest prompt in tokens; more gets 400 (default: the model's context).")
+    max_tokens_limit: int | None = opt(
+        None, "Largest max_tokens a request may ask for; more gets 400 (default: the context).")
+    max_messages: int = opt(2048, "Most messages in one chat request; more gets 400.")
+    max_tools: int = opt(128, "Most tools in one request; more gets 400.")
+    max_schema_bytes: int = opt(
+        64 * 1024, "Largest JSON schema (a tool's parameters, a response_format) in bytes.")
+    max_header_bytes: int = opt(
+        8190, "Longest request line or header field; more gets 400 before any handler runs.")
+    request_timeout_s: float = opt(
+        60.0, "Seconds a client has to send its request body; slower gets 408.",
+        flag="request-timeout")
+    idle_timeout_s: float = opt(
+        75.0, "Seconds a connection may stay open without a complete request.",
+        flag="idle-timeout")
+    stream_buffer_bytes: int = opt(
+        256 * 1024, "Output a stream may hold for a client that is not reading.")
+    slow_reader_timeout_s: float = opt(
+        30.0, "Seconds a stream's output buffer may stay full before the request is cancelled "
+        "and its worker row freed.", flag="slow-reader-timeout")
+    trust_remote_code: bool = opt(
+        False, "Allow Python code shipped in a model folder to run (tokenizer, model class).")
+    curve_secret_key: str | None = opt(
+        None, "This router's CURVE secret key file (mlx-router keys generate); required for "
+        "a tcp:// --worker-addr.")
+    curve_authorized_keys: str | None = opt(
+        None, "Folder of worker public key files (*.key) allowed to connect over tcp://.")
     max_queue: int = opt(256, "Most requests that may wait in the queue; more get 429.")
     queue_timeout_s: float = opt(
         300.0, "Seconds a request may wait in the queue before a 503.", flag="queue-timeout")
     default_max_tokens: int = opt(512, "max_tokens when a request gives none.")
+    max_n: int = opt(8, "Most answers (n) one request may ask for; each is a row in the batch.")
+    tool_parser: str = opt(
+        "auto", "Tool-call format of the model: auto (from the chat template's markers), none, "
+        "or one of " + ", ".join(TOOL_PARSERS[2:]) + ".", choices=TOOL_PARSERS)
     drain_timeout_s: float = opt(
         30.0, "On SIGTERM, seconds to let in-flight requests finish.", flag="drain-timeout")
     max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
@@ -97,12 +143,38 @@ class RouterConfig:
             raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
         if self.default_max_tokens <= 0:
             raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-parser must be one of {TOOL_PARSERS}, got {self.tool_parser!r}")
+        if self.max_n < 1:
+            raise ConfigError(f"--max-n must be >= 1, got {self.max_n}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.worker_mode not in ("spawn", "external"):
             raise ConfigError(f"--worker-mode must be spawn or external, got {self.worker_mode!r}")
         if self.worker_mode == "external" and not self.worker_addr:
             raise ConfigError("--worker-mode external needs --worker-addr (the address workers connect to)")
+        for name in ("max_messages", "max_tools", "max_schema_bytes", "max_header_bytes",
+                     "stream_buffer_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for flag, value in (("request-timeout", self.request_timeout_s),
+                            ("idle-timeout", self.idle_timeout_s),
+                            ("slow-reader-timeout", self.slow_reader_timeout_s)):
+            if not value > 0:  # also refuses NaN
+                raise ConfigError(f"--{flag} must be > 0, got {value}")
+        if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
+            raise ConfigError(f"--default-max-tokens {self.default_max_tokens} is above "
+                              f"--max-tokens-limit {self.max_tokens_limit}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+        if (self.worker_addr or "").startswith("tcp://") and not (
+                self.curve_secret_key and self.curve_authorized_keys):
+            raise ConfigError(
+                f"--worker-addr {self.worker_addr}: a tcp:// worker link needs CURVE: give "
+                "--curve-secret-key and --curve-authorized-keys (see: mlx-router keys generate)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +197,12 @@ class WorkerConfig:
     service_manager: str = opt(
         "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
         "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
+    trust_remote_code: bool = opt(
+        False, "Allow Python code shipped in a model folder to run (tokenizer, model class).")
+    curve_server_key: str | None = opt(
+        None, "The router's CURVE public key file; required for a tcp:// --router.")
+    curve_secret_key: str | None = opt(
+        None, "This worker's CURVE secret key file (mlx-router keys generate).")
     incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
     test_wedge_after_steps: int | None = opt(
@@ -140,6 +218,10 @@ class WorkerConfig:
             raise ConfigError(f"--prefill-step-size must be >= 16, got {self.prefill_step_size}")
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.router.startswith("tcp://") and not (self.curve_server_key and self.curve_secret_key):
+            raise ConfigError(
+                f"--router {self.router}: a tcp:// link needs CURVE: give --curve-server-key "
+                "(the router's public key) and --curve-secret-key (this worker's keys)")
 
 
 C = TypeVar("C", RouterConfig, WorkerConfig)

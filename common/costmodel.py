@@ -30,6 +30,7 @@ __all__ = [
     "max_request_tokens",
     "never_fits",
     "safe_prefill_chunk",
+    "chunk_that_fits",
     "fits_now",
 ]
 
@@ -122,9 +123,11 @@ def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
 
 
 def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int) -> int:
-    """Peak cost of one request on an idle worker: its cache, its first chunk, a growth."""
+    """Peak cost of one request on an idle worker: its cache, a growth, and the smallest
+    prefill chunk the worker would use (an idle worker that is short of memory prefills a
+    long prompt in small chunks rather than refuse it)."""
     total = prompt_tokens + max_tokens
-    chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
+    chunk = min(max(prompt_tokens, 1), MIN_CHUNK_TOKENS, m.prefill_step_tokens)
     return int(m.scale * (
         batch_kv_bytes(1, total, m.kv_bytes_per_token)
         + forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
@@ -180,22 +183,45 @@ def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows:
     return min(m.prefill_step_tokens, max(MIN_CHUNK_TOKENS, chunk))
 
 
+def chunk_that_fits(m: CostModel, rows: int, longest_tokens: int, prefill_rows: int,
+                    context_tokens: int, limit_bytes: int, most: int) -> int:
+    """The largest prefill chunk (at most ``most``, at least MIN_CHUNK_TOKENS or ``most`` if
+    smaller) whose batch worst case stays within ``limit_bytes``; MIN_CHUNK_TOKENS when
+    none does (the caller then finds the batch does not fit)."""
+    floor = min(MIN_CHUNK_TOKENS, most)
+    lo, hi = floor, most
+    if batch_cost_bytes(m, rows, longest_tokens, hi, prefill_rows, context_tokens) <= limit_bytes:
+        return hi
+    while lo < hi:  # cost grows with the chunk: binary search for the largest that fits
+        mid = (lo + hi + 1) // 2
+        if batch_cost_bytes(m, rows, longest_tokens, mid, prefill_rows, context_tokens) <= limit_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
              prefill_rows: int, free_bytes: int) -> tuple[bool, int]:
     """Can a request join the running batch now? Returns (fits, the batch's new worst case).
 
     The batch's worst case is charged in the real padded shape: every row as long as the
-    longest prompt + max_tokens. ``free_bytes`` is live headroom minus what is already
-    promised to running rows but not yet allocated; the increment must fit in it.
+    longest prompt + max_tokens, and a prefill chunk as large as fits (the worker sizes its
+    chunks to what is left, so a tight batch prefills in smaller chunks rather than wait).
+    ``free_bytes`` is live headroom minus what is already promised to running rows but
+    not yet allocated; the increment must fit in it.
     """
     total = prompt_tokens + max_tokens
-    chunk = min(max(prompt_tokens, 1), m.prefill_step_tokens)
     old_worst = 0
     if running_totals:
         old_worst = batch_cost_bytes(m, len(running_totals), max(running_totals), 0, 0, 0)
     longest = max(running_totals + [total])
+    rows = len(running_totals) + 1
     # The chunk's rows may include older, longer prompts: charge it at the longest context.
-    new_worst = batch_cost_bytes(m, len(running_totals) + 1, longest, chunk, prefill_rows + 1,
-                                 longest if running_totals else prompt_tokens)
+    context = longest if running_totals else prompt_tokens
+    room = min(m.budget_bytes, old_worst + max(free_bytes, 0))
+    chunk = chunk_that_fits(m, rows, longest, prefill_rows + 1, context, room,
+                            min(max(prompt_tokens, 1), m.prefill_step_tokens))
+    new_worst = batch_cost_bytes(m, rows, longest, chunk, prefill_rows + 1, context)
     fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
     return fits, new_worst

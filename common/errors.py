@@ -5,6 +5,10 @@
     │   ├── ContextLengthExceeded         prompt + max_tokens over the model's context
     │   └── InsufficientMemory            could never fit, even on an idle worker
     ├── Unauthorized (401)
+    ├── Forbidden (403)                   not recoverable: the client is not allowed in
+    │   ├── HostNotAllowed                Host header not this server's (DNS rebinding)
+    │   └── OriginNotAllowed              a browser page of another origin
+    ├── RequestTimeout (408)              the body did not arrive within --request-timeout
     ├── PayloadTooLarge (413)
     ├── QueueFull (429)                   recoverable: retry later
     ├── Unavailable (503)                 recoverable: retry later (Retry-After)
@@ -29,6 +33,10 @@ __all__ = [
     "ContextLengthExceeded",
     "InsufficientMemory",
     "Unauthorized",
+    "Forbidden",
+    "HostNotAllowed",
+    "OriginNotAllowed",
+    "RequestTimeout",
     "PayloadTooLarge",
     "QueueFull",
     "Unavailable",
@@ -94,6 +102,34 @@ class Unauthorized(HeadroomError):
     status = 401
     type = "authentication_error"
     code = "unauthorized"
+
+
+class Forbidden(HeadroomError):
+    """The client may not use this server. Not recoverable by retrying."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class HostNotAllowed(Forbidden):
+    """The Host header names another server: likely DNS rebinding from a web page."""
+
+    code = "host_not_allowed"
+
+
+class OriginNotAllowed(Forbidden):
+    """A browser request from an origin not given with --cors-origin."""
+
+    code = "origin_not_allowed"
+
+
+class RequestTimeout(HeadroomError):
+    """The request body did not arrive in time. Recoverable with a faster upload."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(HeadroomError):

@@ -29,6 +29,7 @@ __all__ = [
     "FinishReason",
     "RejectReason",
     "Hello",
+    "SamplingParams",
     "Generate",
     "Cancel",
     "Tokens",
@@ -43,7 +44,7 @@ __all__ = [
     "ExitCode",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # A prompt of 1M token ids is ~5 MB of msgpack; anything much larger is garbage or abuse.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
@@ -96,18 +97,42 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How one row samples; every default is the neutral value (greedy, no processors).
+
+    ``seed`` None means unseeded; otherwise any value in [0, 2**64). ``logit_bias`` is
+    ``[[token_id, bias], ...]`` (msgpack map keys must be strings). ``num_logprobs`` None
+    sends no logprobs; 0 sends the sampled token's own, k > 0 also the k most likely.
+    ``grammar`` is an llguidance grammar (JSON text) the row's tokens must follow.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: list[list[float]] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_logprobs: int | None = None
+    grammar: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Generate:
-    """Router → worker: run one request. ``seed`` None means unseeded sampling."""
+    """Router → worker: run one request (one row of the batch)."""
 
     type: ClassVar[str] = "generate"
     incarnation: int
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     reservation_bytes: int = 0
 
 
@@ -123,7 +148,8 @@ class Cancel:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tokens:
     """Worker → router, one per engine step: ``outputs`` rows are
-    ``[request_id, new_token_ids, finish_reason | None]``."""
+    ``[request_id, new_token_ids, finish_reason | None]``, with a fourth item when the
+    request asked for logprobs: one ``[logprob, top_ids, top_logprobs]`` per new token."""
 
     type: ClassVar[str] = "tokens"
     incarnation: int
@@ -182,8 +208,13 @@ def encode(msg: Message) -> bytes:
     """One msgpack map per message; field order is irrelevant to the reader."""
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
     for f in dataclasses.fields(msg):
-        body[f.name] = getattr(msg, f.name)
+        value = getattr(msg, f.name)
+        body[f.name] = _payload_to_map(value) if dataclasses.is_dataclass(value) else value
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _payload_to_map(payload: Any) -> dict[str, Any]:
+    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}
 
 
 def decode(frame: bytes) -> Message:
@@ -207,16 +238,26 @@ def decode(frame: bytes) -> Message:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message type")
+    return _build(cls, body, cls.type)
+
+
+def _build(cls: Any, body: dict[str, Any], where: str) -> Any:
+    """A message or payload dataclass from its map, every field type-checked."""
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in body:
             value = body.pop(f.name)
-            if not _conforms(value, hints[f.name]):
-                raise ProtocolError(f"{cls.type}.{f.name} has the wrong type")
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                if not isinstance(value, dict):
+                    raise ProtocolError(f"{where}.{f.name} is not a map")
+                value = _build(hint, dict(value), f"{where}.{f.name}")
+            elif not _conforms(value, hint):
+                raise ProtocolError(f"{where}.{f.name} has the wrong type")
             kwargs[f.name] = value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.type} lacks {f.name}")
+            raise ProtocolError(f"{where} lacks {f.name}")
     # Unknown extra fields are tolerated: a newer peer of the same version may add some.
     return cls(**kwargs)
 

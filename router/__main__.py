@@ -8,13 +8,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from common.config import RouterConfig, env_snapshot, load, permanent_exit
+from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
-from router.app import API, STATE, SUPERVISOR, make_app
 
 log = logging.getLogger("router")
 
@@ -25,29 +23,50 @@ DRAIN_POLL_S = 0.1
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     env = env_snapshot()
-    if args and args[0] in ("service", "status"):
+    if args and args[0] == "service":
         from router.service import run_command
 
         return run_command(args, env)
+    if args and args[0] == "status":
+        from router import console
+
+        return console.main(args[1:])
+    if args and args[0] == "keys":
+        from router.keys import run_command as run_keys
+
+        return run_keys(args[1:], env)
+    from router.access import BadHttpLogFilter, load_api_keys  # imports aiohttp
+
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
+        api_keys = load_api_keys(cfg)
+        link_keys = load_server_keys(cfg.curve_secret_key, cfg.curve_authorized_keys)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(2, args)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router")
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": cfg.model})
+    logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
     try:
-        return asyncio.run(serve(cfg, addr, env))
+        return asyncio.run(serve(cfg, addr, env, api_keys, link_keys))
     finally:
         if lock is not None:
             lock.close()
 
 
-async def serve(cfg: RouterConfig, addr: str, env: dict[str, str]) -> int:
-    app = make_app(cfg, addr, env)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: list[str],
+                link_keys: ServerKeys | None) -> int:
+    # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
+    from aiohttp import web
+
+    from router.app import API, STATE, SUPERVISOR, make_app
+
+    app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.idle_timeout_s,
+                           max_line_size=cfg.max_header_bytes, max_field_size=cfg.max_header_bytes)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     try:

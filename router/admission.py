@@ -69,8 +69,7 @@ def can_dispatch(view: WorkerView, in_flight_totals: list[int], prompt_tokens: i
         return Verdict.QUEUE
     if not view.admission:
         return Verdict.DISPATCH
-    m = view.model
-    longest = max(in_flight_totals + [prompt_tokens + max_tokens])
-    chunk = min(prompt_tokens, m.prefill_step_tokens)
-    worst = costmodel.batch_cost_bytes(m, len(in_flight_totals) + 1, longest, chunk, 1, prompt_tokens)
-    return Verdict.DISPATCH if worst <= m.budget_bytes else Verdict.QUEUE
+    # The worker's own test, with live headroom left to the worker (it may say "not now").
+    fits, _ = costmodel.fits_now(view.model, in_flight_totals, prompt_tokens, max_tokens, 0,
+                                 view.model.budget_bytes)
+    return Verdict.DISPATCH if fits else Verdict.QUEUE

@@ -18,9 +18,10 @@ from aiohttp import web
 from common.errors import BadRequest
 from router.anthropic_output import MessagesPresenter
 from router.api import Api, Endpoint
-from router.job import Job
+from router.job import Rows
 from router.output import Presenter
 from router.schema import Parsed, parse_chat
+from router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +218,11 @@ def _tool_choice(choice: Any) -> Any:
                      param="tool_choice")
 
 
-def parse_messages(body: Any, default_max_tokens: int) -> Parsed:
-    return parse_chat(to_chat(body), default_max_tokens)
+def parse_messages(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+    return parse_chat(to_chat(body), default_max_tokens)  # one choice: Messages has no n
 
 
-def parse_count(body: Any, default_max_tokens: int) -> Parsed:
+def parse_count(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
     """count_tokens takes a Messages body without max_tokens."""
     return parse_chat(to_chat(body, require_max_tokens=False), default_max_tokens)
 
@@ -229,8 +230,8 @@ def parse_count(body: Any, default_max_tokens: int) -> Parsed:
 # -- the endpoint ----------------------------------------------------------------------
 
 
-def _present(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
-    return MessagesPresenter(job.request_id, model_id, len(job.prompt_ids))
+def _present(body: Any, parsed: Parsed, rows: Rows, model_id: str, tok: RouterTokenizer) -> Presenter:
+    return MessagesPresenter(rows.request_id, model_id, rows.prompt_tokens)
 
 
 MESSAGES = Endpoint("messages", "msg_", parse_messages, _present)

@@ -3,7 +3,8 @@
 Each HTTP API is an `Endpoint`: its parser, which turns a body into the internal request
 (`Parsed`), and its presenter, which turns the output back into that API's shapes. The
 OpenAI endpoints are here; router/anthropic_api.py and router/responses_api.py add theirs,
-so queueing, admission, cancellation, keepalives and worker loss are one code path.
+so queueing, admission, cancellation, keepalives, slow readers and worker loss are one
+code path.
 
 Handlers raise ``HeadroomError``s; the middleware from ``make_error_middleware`` is the one
 place that turns any error into HTTP, with the right status and ``Retry-After``, in the
@@ -13,27 +14,33 @@ error shape of the API whose path was called (OpenAI's unless another claims the
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
+import functools
 import json
 import logging
+import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
 from common.errors import (
-    BadRequest, HeadroomError, NoWorker, PayloadTooLarge, QueueTimeout, RequestQuarantined,
-    Unauthorized,
+    BadRequest, ConfigError, HeadroomError, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
+    RequestQuarantined, RequestTimeout,
 )
 from router import admission
+from common.log import about
 from common.protocol import Hello
 from router.dispatch import Dispatcher
-from router.job import Job, JobState, TokenEvent
+from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
+from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import ChatPresenter, Collector, Formatter, Presenter
+from router.plan import plan_output, template_tools
+from router.reqid import KEY as REQUEST_ID, make_request_id
+from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
@@ -48,14 +55,16 @@ INLINE_TOKENIZE_CHARS = 2048
 # A stream with nothing to say for this long sends an SSE comment, so a vanished client is
 # noticed (the write fails) even during a long prefill or wait in the queue.
 KEEPALIVE_S = 5.0
+# How often a stream whose client is behind looks at its buffer again (only while behind).
+DRAIN_POLL_S = 0.05
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-
-
 # An API's error body for an error (OpenAI's is HeadroomError.to_body).
 ErrorBody = Callable[[HeadroomError], dict[str, Any]]
+# Errors that are the server's own trouble, never the client's business in detail.
+INTERNAL_ERRORS = (HeadroomError, ConfigError, ProtocolError)
 
 
 class HttpError(HeadroomError):
@@ -82,7 +91,7 @@ def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
         try:
             return await handler(request)
         except HeadroomError as exc:
-            error: HeadroomError = exc
+            error = public_error(exc)
         except web.HTTPRequestEntityTooLarge:
             error = PayloadTooLarge("the request body is too large")
         except web.HTTPException as exc:
@@ -100,6 +109,27 @@ def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
     return error_middleware
 
 
+# Every error in OpenAI's shape (the app adds the other APIs' shapes by path prefix).
+error_middleware = make_error_middleware({})
+
+
+class SlowReader(Exception):
+    """The client stopped reading its stream; its connection is already closed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client stopped reading its stream")
+        self.response = response
+
+
+def public_error(exc: HeadroomError) -> HeadroomError:
+    """The error a client may see: the server's own troubles are told only in the log."""
+    if type(exc) not in INTERNAL_ERRORS:
+        return exc
+    # Its message may name files (a model folder, a config path): keep it in the log.
+    log.error("internal error answered as a 500: %s", exc.message)
+    return HeadroomError("internal server error")
+
+
 def error_headers(exc: HeadroomError) -> dict[str, str]:
     headers: dict[str, str] = {}
     if exc.retry_after_s is not None:
@@ -114,13 +144,15 @@ class Endpoint:
     """One HTTP API's two ends of the shared path."""
 
     name: str                                        # metrics label and log name
-    id_prefix: str                                   # of the request id the client sees
-    parse: Callable[[Any, int], Parsed]              # (body, default max_tokens) -> Parsed
-    present: Callable[[Any, Parsed, Job, str], Presenter]  # (body, parsed, job, model id)
+    id_prefix: str                                   # of the response id the client sees
+    parse: Callable[[Any, int, int], Parsed]         # (body, default max_tokens, max n) -> Parsed
+    # (body, parsed, rows, model id, tokenizer) -> the API's presenter
+    present: Callable[[Any, Parsed, Rows, str, RouterTokenizer], Presenter]
 
 
-def _openai_presenter(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
-    return ChatPresenter(Formatter(parsed, job.request_id, model_id))
+def _openai_presenter(body: Any, parsed: Parsed, rows: Rows, model_id: str,
+                      tok: RouterTokenizer) -> Presenter:
+    return ChatPresenter(Formatter(parsed, rows.request_id, model_id, tok.token_bytes))
 
 
 CHAT = Endpoint("chat", "chatcmpl-", parse_chat, _openai_presenter)
@@ -136,14 +168,18 @@ class Api:
     """The OpenAI-compatible endpoints."""
 
     def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
-                 default_max_tokens: int, queue_timeout_s: float, api_key: str | None,
-                 is_draining: Callable[[], bool]) -> None:
+                 default_max_tokens: int, queue_timeout_s: float, limits: Limits,
+                 is_draining: Callable[[], bool], trust_remote_code: bool = False,
+                 max_n: int = 1, tool_parser: str = "auto") -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
+        self.max_n = max_n
+        self.tool_parser = tool_parser
         self.queue_timeout_s = queue_timeout_s
-        self.api_key = api_key
+        self.limits = limits
+        self.trust_remote_code = trust_remote_code
         self.is_draining = is_draining
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._tokenizer: RouterTokenizer | None = None
@@ -152,21 +188,7 @@ class Api:
         self._tokenizer_task: asyncio.Future[RouterTokenizer] | None = None
         self.num_in_flight = 0
 
-    def check_auth(self, request: web.Request) -> None:
-        """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic's)."""
-        if self.api_key is None:
-            return
-        expected = self.api_key.encode()
-        bearer = request.headers.get("Authorization", "")
-        offered = [request.headers.get("x-api-key", ""),
-                   bearer[7:] if bearer[:7].lower() == "bearer " else ""]
-        # compare_digest on each, never short-circuited: the time says nothing about the key
-        matches = [hmac.compare_digest(key.encode(), expected) for key in offered]
-        if not any(matches):
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer ... or x-api-key)")
-
     async def models(self, request: web.Request) -> web.Response:
-        self.check_auth(request)
         # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the rest
         model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
                  "type": "model", "display_name": self.model_id,
@@ -180,45 +202,58 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, CHAT)
 
+    async def count_prompt_tokens(self, request: web.Request,
+                                  parse: Callable[[Any, int, int], Parsed]) -> int:
+        """The prompt tokens ``serve`` would admit for this body: same template, tools, tokenizer."""
+        body = await self._json(request)
+        check_body(body, self.limits)
+        parsed = parse(body, self.default_max_tokens, self.max_n)
+        tokenizer, _ = await self._tokenizer_for(time.monotonic() + self.queue_timeout_s)
+        prompts, _ = await self._tokenize(tokenizer, parsed)
+        return sum(len(ids) for ids in prompts)
+
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """The whole life of one generation request, for any API."""
         arrived = time.monotonic()
         status = 500
+        request_id = request.get(REQUEST_ID) or make_request_id()
         try:
-            self.check_auth(request)
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
             body = await self._json(request)
-            parsed = endpoint.parse(body, self.default_max_tokens)
-            job = await self._admit(parsed, arrived, endpoint.id_prefix)
-            present = endpoint.present(body, parsed, job, self.model_id)
-            response = await self._run(request, parsed, job, present)
+            check_body(body, self.limits)
+            parsed = endpoint.parse(body, self.default_max_tokens, self.max_n)
+            check_max_tokens(parsed.sampling.max_tokens, self.limits)
+            rows = await self._admit(parsed, arrived, request_id, endpoint.id_prefix)
+            response = await self._run(request, body, parsed, rows, endpoint)
             status = response.status
             return response
         except HeadroomError as exc:
             status = exc.status
             if exc.status != 500:
                 self.metrics.rejections.labels(code=exc.code).inc()
-            log.info("request refused on /v1/%s: %d %s: %s", endpoint.name, exc.status, exc.code,
-                     exc.message)
+                self.metrics.history.note_rejection(time.time(), request_id, endpoint.name, exc)
+            # The message may quote the request: only its code at INFO.
+            log.info("refused on /v1/%s: %d %s (param %s)", endpoint.name, exc.status, exc.code,
+                     exc.param, extra=about(request_id))
+            log.debug("refused: %s", exc.message, extra=about(request_id))
             raise
         finally:
             self.metrics.requests.labels(endpoint=endpoint.name, status=str(status)).inc()
 
-    async def count_prompt_tokens(self, request: web.Request,
-                                  parse: Callable[[Any, int], Parsed]) -> int:
-        """The prompt tokens ``serve`` would admit for this body, with the same tokenizer."""
-        self.check_auth(request)
-        parsed = parse(await self._json(request), self.default_max_tokens)
-        tokenizer, _ = await self._tokenizer_for(time.monotonic() + self.queue_timeout_s)
-        return len(await self._tokenize(tokenizer, parsed))
-
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise RequestTimeout("the request body did not arrive within "
+                                 f"{self.limits.request_timeout_s:g}s (--request-timeout)") from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply") from None
 
     def preload_tokenizer(self, hello: Hello) -> None:
         """Load the tokenizer as soon as a worker says hello, not at the first request."""
@@ -237,7 +272,9 @@ class Api:
         async with self._tokenizer_lock:
             if self._tokenizer is None or self._tokenizer_path != path:
                 loop = asyncio.get_running_loop()
-                self._tokenizer = await loop.run_in_executor(self.pool, RouterTokenizer.load, path)
+                self._tokenizer = await loop.run_in_executor(
+                    self.pool, functools.partial(RouterTokenizer.load, path,
+                                                 trust_remote_code=self.trust_remote_code))
                 self._tokenizer_path = path
             return self._tokenizer
 
@@ -258,57 +295,103 @@ class Api:
             tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
         return tokenizer, link
 
-    async def _admit(self, parsed: Parsed, arrived: float, id_prefix: str) -> Job:
+    async def _admit(self, parsed: Parsed, arrived: float, request_id: str, id_prefix: str) -> Rows:
+        """Tokenize, refuse what can never fit, and queue one job per choice (one row each)."""
         deadline = arrived + self.queue_timeout_s
         tokenizer, link = await self._tokenizer_for(deadline)
         # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
         error = admission.check_max_tokens_only(link.model, link.hello.admission,
                                                 parsed.sampling.max_tokens)
-        if error is None:
-            ids = await self._tokenize(tokenizer, parsed)
-            error = admission.check_ever(link.model, link.hello.admission, len(ids),
-                                         parsed.sampling.max_tokens)
         if error is not None:
             raise error
-        job = Job(request_id=id_prefix + uuid.uuid4().hex, prompt_ids=ids, sampling=parsed.sampling,
-                  deadline=deadline, enqueued_at=time.monotonic())
-        self.dispatcher.submit(job)
-        self.metrics.prompt_tokens.inc(len(ids))
-        return job
+        check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
+        prompts, prompt_text = await self._tokenize(tokenizer, parsed)
+        plan = plan_output(parsed, tokenizer, self.tool_parser, prompt_text)
+        sampling = parsed.sampling
+        if plan.grammar is not None:
+            sampling = replace(sampling, params=replace(sampling.params, grammar=plan.grammar))
+        for ids in prompts:
+            check_prompt_tokens(len(ids), self.limits,
+                                "messages" if parsed.messages is not None else "prompt")
+            error = admission.check_ever(link.model, link.hello.admission, len(ids),
+                                         parsed.sampling.max_tokens)
+            if error is not None:
+                raise error
+        # The response id ends with the request id, so a client can quote either; a choice's
+        # row is the request id with its index.
+        rows = Rows(id_prefix + request_id, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan)
+        now = time.monotonic()
+        for index in range(parsed.num_choices):
+            row_id = request_id if parsed.num_choices == 1 else f"{request_id}-{index}"
+            rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
+                                 sampling=row_sampling(sampling, index), deadline=deadline,
+                                 enqueued_at=now, events=ChoiceEvents(rows.events, index)))
+        try:
+            for job in rows.jobs:
+                self.dispatcher.submit(job)
+        except HeadroomError:
+            for job in rows.jobs:
+                self.dispatcher.cancel(job)
+            raise
+        self.metrics.prompt_tokens.inc(rows.prompt_tokens)
+        return rows
 
-    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> list[int]:
-        if parsed.prompt_ids is not None:
-            if min(parsed.prompt_ids) < 0 or max(parsed.prompt_ids) >= tokenizer.vocab_size:
-                raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-            return parsed.prompt_ids
-        small = (len(parsed.prompt_text) if parsed.messages is None else
-                 sum(len(str(m.get("content") or "")) for m in parsed.messages)) <= INLINE_TOKENIZE_CHARS
-        if small:  # cheaper here than the two thread wakeups of a pool hop
-            if parsed.messages is not None:
-                return tokenizer.encode_chat(parsed.messages)
-            return tokenizer.encode(parsed.prompt_text)
-        loop = asyncio.get_running_loop()
+    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> tuple[list[list[int]], str]:
+        """Each prompt's ids, and a chat's rendered text (for the output plan)."""
         if parsed.messages is not None:
-            return await loop.run_in_executor(self.pool, tokenizer.encode_chat, parsed.messages)
-        return await loop.run_in_executor(self.pool, tokenizer.encode, parsed.prompt_text)
+            tools = template_tools(parsed)
+            num_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
+            num_chars += len(json.dumps(tools)) if tools else 0
 
-    async def _run(self, request: web.Request, parsed: Parsed, job: Job,
-                   present: Presenter) -> web.StreamResponse:
+            def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+                text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
+                return tokenizer.encode_rendered(text), text
+
+            ids, text = await self._encode(render_and_encode, parsed.messages, num_chars)
+            return [ids], text
+        assert parsed.prompts is not None
+        out = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                out.append(await self._encode(tokenizer.encode, prompt, len(prompt)))
+            elif min(prompt) < 0 or max(prompt) >= tokenizer.vocab_size:
+                raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+            else:
+                out.append(prompt)
+        return out, ""
+
+    async def _encode(self, encode: Callable[[Any], Any], what: Any, num_chars: int) -> Any:
+        if num_chars <= INLINE_TOKENIZE_CHARS:  # cheaper here than the two thread wakeups of a pool hop
+            return encode(what)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, encode, what)
+
+    async def _run(self, request: web.Request, body: Any, parsed: Parsed, rows: Rows,
+                   endpoint: Endpoint) -> web.StreamResponse:
         assert self._tokenizer is not None
-        collector = Collector(self._tokenizer.make_detokenizer(), parsed.stop, len(job.prompt_ids))
+        tok = self._tokenizer
+        plan = rows.plan
+        collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
+                                len(job.prompt_ids), i, plan.parser(),
+                                inline_reasoning=not parsed.separate_reasoning)
+                      for i, job in enumerate(rows.jobs)]
+        present = endpoint.present(body, parsed, rows, self.model_id, tok)
         self.num_in_flight += 1
         try:
             if parsed.stream:
-                return await self._stream(request, job, collector, present)
-            return await self._collect(job, collector, present)
+                try:
+                    return await self._stream(request, rows, collectors, present)
+                except SlowReader as exc:
+                    return exc.response  # the jobs are cancelled below, their rows freed
+            return await self._collect(rows, collectors, present)
         finally:
             self.num_in_flight -= 1
-            client_left = job.state is not JobState.DONE
-            self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
-            self._observe(job, collector, client_left)
+            for job, collector in zip(rows.jobs, collectors):
+                client_left = job.state is not JobState.DONE
+                self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
+                self._observe(job, collector, client_left)
 
     def _observe(self, job: Job, collector: Collector, client_left: bool) -> None:
-        """Metrics, and the one INFO line per request (no prompt text at INFO)."""
+        """Metrics, and the one INFO line per row (no prompt text at INFO)."""
         now = time.monotonic()
         queued_s = (job.dispatched_at or now) - job.enqueued_at
         ttft_s = (job.first_token_at - job.enqueued_at) if job.first_token_at else None
@@ -316,57 +399,105 @@ class Api:
             self.metrics.queue_wait.observe(queued_s)
         if ttft_s is not None:
             self.metrics.ttft.observe(ttft_s)
+            self.metrics.history.note_ttft(time.time(), ttft_s)
         outcome = "client gone" if client_left and not collector.finished else (
             collector.finish_reason or "error")
-        log.info("request %s: %s, prompt %d tokens, completion %d tokens, queued %.3fs, "
-                 "ttft %s, total %.3fs", job.request_id, outcome, len(job.prompt_ids),
-                 collector.completion_tokens, queued_s,
-                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at)
+        log.info("finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
+                 "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
+                 f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
+                 extra=about(job.request_id, job.incarnation))
 
-    async def _collect(self, job: Job, collector: Collector, present: Presenter) -> web.Response:
-        while not collector.finished:
-            event = await job.events.get()
+    def _feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
+        c = collectors[index]
+        c.feed(event)
+        if c.finished:  # a stop string may end a choice while its row still runs
+            self.dispatcher.cancel(rows.jobs[index])
+
+    async def _collect(self, rows: Rows, collectors: list[Collector], present: Presenter) -> web.Response:
+        while not all(c.finished for c in collectors):
+            index, event = await rows.events.get()
             if isinstance(event, HeadroomError):
                 raise event
-            collector.feed(event)
-        return web.json_response(present.body([collector], len(job.prompt_ids)))
+            self._feed(rows, collectors, index, event)
+        return web.json_response(present.body(collectors, rows.prompt_tokens))
 
-    async def _stream(self, request: web.Request, job: Job, collector: Collector,
+    async def _stream(self, request: web.Request, rows: Rows, collectors: list[Collector],
                       present: Presenter) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        while not collector.finished:
+        while not all(c.finished for c in collectors):
             try:
                 async with asyncio.timeout(KEEPALIVE_S):
-                    event = await job.events.get()
+                    index, event = await rows.events.get()
             except TimeoutError:
                 response = response or await self._start_stream(request)
-                await response.write(present.keepalive())
+                await self._write(request, response, present.keepalive())
                 continue
             if isinstance(event, HeadroomError):
                 if response is None:
                     raise event  # nothing sent yet: a plain HTTP error is clearer
-                await response.write(present.error(event))
+                await self._write(request, response, present.error(event))
                 return response
             response = response or await self._start_stream(request)
-            chunk = self._drain(job, collector, present, event)
+            chunk = self._drain(rows, collectors, present, index, event)
             if chunk:
-                await response.write(chunk)
+                await self._write(request, response, chunk)
         assert response is not None
-        await response.write(present.tail([collector], len(job.prompt_ids)))
+        await self._write(request, response, present.tail(collectors, rows.prompt_tokens))
         return response
 
-    def _drain(self, job: Job, collector: Collector, present: Presenter, event: TokenEvent) -> bytes:
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """Write to the stream; a client that leaves the buffer full too long is dropped.
+
+        ``write`` waits while the transport holds more than --stream-buffer-bytes, so a
+        client that stops reading cannot make the router hold its output without bound; past
+        --slow-reader-timeout the request is cancelled (``_run`` frees its worker row) and
+        the connection closed.
+        """
+        transport = request.transport
+        try:
+            async with asyncio.timeout(self.limits.slow_reader_timeout_s):
+                await response.write(data)
+                # aiohttp waits for the socket only every 64 KiB written; hold to our bound.
+                while transport is not None and \
+                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes:
+                    await asyncio.sleep(DRAIN_POLL_S)
+        except TimeoutError:
+            self.metrics.slow_readers.inc()
+            log.info("dropping a stream whose client stopped reading for %.0fs",
+                     self.limits.slow_reader_timeout_s)
+            if transport is not None:
+                transport.abort()
+            raise SlowReader(response) from None
+
+    def _drain(self, rows: Rows, collectors: list[Collector], present: Presenter, index: int,
+               event: TokenEvent) -> bytes:
         """Feed this event and any already waiting, and return one SSE write for them."""
-        collector.feed(event)
-        while not collector.finished and not job.events.empty():
-            more = job.events.get_nowait()
+        touched = {index: None}
+        self._feed(rows, collectors, index, event)
+        while not rows.events.empty():
+            more_index, more = rows.events.get_nowait()
             if isinstance(more, HeadroomError):
-                job.events.put_nowait(more)  # keep it for the loop: flush the text first
+                rows.events.put_nowait((more_index, more))  # keep it for the loop: flush the text first
                 break
-            collector.feed(more)
-        return present.delta(collector)
+            touched[more_index] = None
+            self._feed(rows, collectors, more_index, more)
+        return b"".join(present.delta(collectors[i]) for i in touched)
 
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None:
+            # The kernel's send buffer autotunes to megabytes for a peer that does not read;
+            # a token stream needs far less, and this keeps the whole buffer bounded.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.stream_buffer_bytes)
         return response
+
+
+def row_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request: a seeded request gives each choice its own seed."""
+    seed = sampling.params.seed
+    if index == 0 or seed is None:
+        return sampling
+    return replace(sampling, params=replace(sampling.params, seed=(seed + index) % 2**64))

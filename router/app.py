@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from common.config import RouterConfig
-from router import anthropic_output
+from common.curve import ServerKeys
+from common.errors import HeadroomError
+from router import access, anthropic_output
+from router.access import AccessPolicy
 from router.anthropic_api import Messages
 from router.api import Api, make_error_middleware
-from router.responses_api import Responses
 from router.backlog import Backlog
+from router.curve import CurveServer
 from router.dispatch import Dispatcher
+from router.limits import Limits
+from router.openapi import build_spec
+from router.reqid import KEY as REQUEST_ID
+from router.reqid import RequestIds, add_header
+from router.responses_api import Responses
 from router.status import Metrics, StatusViews
 from router.supervisor import SpawnSpec, Supervisor
 
@@ -35,6 +45,7 @@ STATE = web.AppKey("state", RouterState)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 API = web.AppKey("api", Api)
+VIEWS = web.AppKey("views", StatusViews)
 
 
 def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
@@ -48,29 +59,61 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
         argv += ["--oom-guard", cfg.oom_guard]
     if cfg.unsafe_no_admission:
         argv.append("--unsafe-no-admission")
+    if cfg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if cfg.curve_secret_key and addr.startswith("tcp://"):
+        # The spawned worker uses the router's own keypair, which the router authorizes.
+        argv += ["--curve-server-key", cfg.curve_secret_key, "--curve-secret-key", cfg.curve_secret_key]
     return argv + list(cfg.worker_arg)
 
 
-def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Application:
-    # Each API answers errors in its own shape; OpenAI's is the default.
-    errors = make_error_middleware({"/v1/messages": anthropic_output.error_body})
-    app = web.Application(middlewares=[errors], client_max_size=cfg.max_body_bytes)
+def worker_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The spawned worker's environment, without the router's secrets."""
+    return {k: v for k, v in env.items() if k not in ("MLX_ROUTER_API_KEY",)}
+
+
+def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
+             api_keys: Sequence[str], link_keys: ServerKeys | None) -> web.Application:
+    """The router's app. Keys are read in main(), where a bad file is a clear ConfigError:
+    ``api_keys`` from ``access.load_api_keys``, ``link_keys`` from ``curve.load_server_keys``."""
+    policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
+    # The request id is outermost, so even an error response and its log line carry it;
+    # access comes inside the error middleware, which answers its refusals.
     state = RouterState()
     metrics = Metrics()
-    dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics)
-    spawn = SpawnSpec(worker_argv(cfg, addr), dict(env)) if cfg.worker_mode == "spawn" else None
+
+    def note_refusal(request: web.Request, exc: HeadroomError) -> None:
+        metrics.rejections.labels(code=exc.code).inc()
+        resource = request.match_info.route.resource
+        metrics.history.note_rejection(time.time(), request.get(REQUEST_ID),
+                                       resource.canonical if resource else "-", exc)
+
+    # Each API answers errors in its own shape; OpenAI's is the default.
+    errors = make_error_middleware({"/v1/messages": anthropic_output.error_body})
+    app = web.Application(middlewares=[RequestIds().middleware, errors,
+                                       access.make_access_middleware(policy, note_refusal)],
+                          client_max_size=cfg.max_body_bytes)
+    app.on_response_prepare.append(add_header)
+    app.on_response_prepare.append(access.make_cors_signal(policy))
+    dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics,
+                            curve=CurveServer(link_keys, metrics) if link_keys else None)
+    spawn = SpawnSpec(worker_argv(cfg, addr), worker_env(env)) if cfg.worker_mode == "spawn" else None
     supervisor = Supervisor(dispatcher, spawn, metrics)
     api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,
               default_max_tokens=cfg.default_max_tokens, queue_timeout_s=cfg.queue_timeout_s,
-              api_key=cfg.api_key, is_draining=lambda: state.draining)
+              limits=Limits.from_config(cfg), is_draining=lambda: state.draining,
+              trust_remote_code=cfg.trust_remote_code, max_n=cfg.max_n,
+              tool_parser=cfg.tool_parser)
     dispatcher.hello_listeners.append(api.preload_tokenizer)
+    warnings = access.exposure_warnings(cfg, policy)
+    for warning in warnings:
+        log.warning("%s", warning)
     views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,
-                        lambda: api.tokenizer_ready)
-    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API] = (
-        cfg, state, dispatcher, supervisor, api)
+                        lambda: api.tokenizer_ready, warnings)
+    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API], app[VIEWS] = (
+        cfg, state, dispatcher, supervisor, api, views)
 
     async def admin_restart(request: web.Request) -> web.Response:
-        api.check_auth(request)
         supervisor.restart_now()
         return web.json_response({"status": "restarting", "workers": [supervisor.describe()]})
 
@@ -85,7 +128,15 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str]) -> web.Applic
     app.router.add_get("/v1/memory", views.memory)
     app.router.add_get("/metrics", views.metrics_text)
     app.router.add_get("/", views.page)
+
+    async def openapi(request: web.Request) -> web.Response:
+        link = dispatcher.link
+        return web.json_response(build_spec(api.limits, link.hello.context_length if link else None))
+
+    app.router.add_get("/static/{name}", views.static)
+    app.router.add_get("/status", views.status)
     app.router.add_post("/admin/workers/restart", admin_restart)
+    app.router.add_get("/openapi.json", openapi)
     app.cleanup_ctx.append(_background)
     return app
 
@@ -95,7 +146,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher, supervisor = app[DISPATCHER], app[SUPERVISOR]
     await dispatcher.start()
     await supervisor.start()
+    sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
+    sampler.cancel()
+    await asyncio.gather(sampler, return_exceptions=True)
     await supervisor.stop()
     await dispatcher.stop()
     app[API].pool.shutdown(wait=False, cancel_futures=True)

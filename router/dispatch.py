@@ -18,9 +18,10 @@ from typing import Any
 import zmq
 
 from common.costmodel import CostModel
+from common.log import about
 from common.errors import (
-    BadRequest, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker, ProtocolError,
-    QueueTimeout, RequestQuarantined, WorkerLost,
+    BadRequest, ConfigError, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker,
+    ProtocolError, QueueTimeout, RequestQuarantined, WorkerLost,
 )
 from common.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, FinishReason, Generate, Heartbeat, Hello,
@@ -28,6 +29,7 @@ from common.protocol import (
 )
 from router import admission
 from router.backlog import Backlog
+from router.curve import CurveServer
 from router.job import Job, JobState, TokenEvent
 from router.quarantine import Quarantine
 
@@ -71,12 +73,14 @@ class Dispatcher:
     """Owns the socket, the backlog and the in-flight jobs of the current worker."""
 
     def __init__(self, addr: str, backlog: Backlog, metrics: Any,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 curve: CurveServer | None = None) -> None:
         self.addr = addr
         self.backlog = backlog
         self.metrics = metrics
         self.clock = clock
         self.quarantine = Quarantine()
+        self.curve = curve
         self.link: WorkerLink | None = None
         self.num_bad_frames = 0
         self.hello_listeners: list[Callable[[Hello], None]] = []
@@ -101,6 +105,10 @@ class Dispatcher:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.curve is not None:
+            self.curve.secure(self._ctx, self._sock)
+        elif self.addr.startswith("tcp://"):  # config refuses it too; never bind it open
+            raise ConfigError(f"refusing to bind {self.addr} without CURVE keys")
         self._sock.bind(self.addr)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.FD, self._on_readable)
@@ -113,6 +121,8 @@ class Dispatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._loop is not None:
             self._loop.remove_reader(self._sock.FD)
+        if self.curve is not None:
+            await self.curve.stop(self._sock)
         self._sock.close(0)
         self._ctx.term()
 
@@ -125,6 +135,8 @@ class Dispatcher:
             raise RequestQuarantined(
                 "this request was running when the worker died twice; it is quarantined")
         self.backlog.push(job)
+        log.debug("queued: %d prompt tokens, max_tokens %d, %d waiting", len(job.prompt_ids),
+                  job.sampling.max_tokens, len(self.backlog), extra=about(job.request_id))
         self.pump()
 
     def cancel(self, job: Job) -> None:
@@ -132,10 +144,12 @@ class Dispatcher:
         if job.state is JobState.QUEUED:
             if self.backlog.remove(job.request_id):
                 self.metrics.cancelled.labels(where="queued").inc()
+                log.debug("cancelled while queued", extra=about(job.request_id))
         elif job.state is JobState.RUNNING and self.link and job.incarnation == self.link.incarnation:
             if self.link.in_flight.pop(job.request_id, None) is not None:
                 self._send(Cancel(incarnation=self.link.incarnation, request_id=job.request_id))
                 self.metrics.cancelled.labels(where="running").inc()
+                log.debug("cancelled while running", extra=about(job.request_id, job.incarnation))
         job.state = JobState.DONE
         self.pump()
 
@@ -164,11 +178,11 @@ class Dispatcher:
             link.step_changed_at = job.dispatched_at  # idle until now: start the stall clock
         link.in_flight[job.request_id] = job
         self.metrics.dispatched.inc()
+        log.debug("dispatched (try %d) after %.3fs queued", job.num_dispatches,
+                  job.dispatched_at - job.enqueued_at, extra=about(job.request_id, link.incarnation))
         s = job.sampling
         self._send(Generate(incarnation=link.incarnation, request_id=job.request_id,
-                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens,
-                            temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                            ignore_eos=s.ignore_eos))
+                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens, sampling=s.params))
 
     def _send(self, msg: Any) -> None:
         link = self.link
@@ -177,7 +191,9 @@ class Dispatcher:
         try:
             self._sock.send_multipart([link.identity, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or queue full
-            log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc)
+            request_id = getattr(msg, "request_id", None)
+            log.warning("send %s to worker %d failed: %s", msg.type, link.incarnation, exc,
+                        extra=about(request_id, link.incarnation) if request_id else None)
         self._check_readable()
 
     # -- worker lifecycle ------------------------------------------------------------
@@ -218,6 +234,8 @@ class Dispatcher:
                     "this request was running at two worker deaths and is quarantined; "
                     "it is likely what kills the worker"))
             elif job.num_output_tokens == 0 and job.num_dispatches < 2:
+                log.debug("re-queued: its worker was lost before its first token",
+                          extra=about(job.request_id, incarnation))
                 self.backlog.push_front(job)
             else:
                 job.fail(WorkerLost(f"the worker died while running this request ({why}); "
@@ -352,22 +370,25 @@ class Dispatcher:
             return error is not None
 
         for job in self.backlog.remove_where(never):
-            log.info("%s: can no longer fit (cost model scale %.3f, budget %d B); refused",
-                     job.request_id, link.model.scale, link.model.budget_bytes)
+            log.info("can no longer fit (cost model scale %.3f, budget %d B); refused",
+                     link.model.scale, link.model.budget_bytes, extra=about(job.request_id))
             job.fail(refused[job.request_id])
 
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         now = self.clock()
         for row in msg.outputs:
-            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)):
+            if not (isinstance(row, list) and len(row) in (3, 4) and isinstance(row[0], str)):
                 self._count_bad("bad tokens row")
                 continue
-            request_id, ids, finish = row
+            request_id, ids, finish = row[:3]
+            logprobs = row[3] if len(row) == 4 and isinstance(row[3], list) else None
             job = link.in_flight.get(request_id)
             if job is None:
                 continue  # cancelled here already
             if job.first_token_at is None:
                 job.first_token_at = now
+                log.debug("first token after %.3fs", now - job.enqueued_at,
+                          extra=about(request_id, link.incarnation))
             job.num_output_tokens += len(ids)
             if finish == FinishReason.ERROR:
                 del link.in_flight[request_id]
@@ -381,14 +402,16 @@ class Dispatcher:
             if finish is not None:
                 del link.in_flight[request_id]
                 job.state = JobState.DONE
-            job.events.put_nowait(TokenEvent(ids, finish))
-        self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs if len(r) == 3))
+            job.events.put_nowait(TokenEvent(ids, finish, logprobs))
+        self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs if len(r) in (3, 4)))
 
     def _on_reject(self, link: WorkerLink, msg: Reject) -> None:
         job = link.in_flight.pop(msg.request_id, None)
         if job is None:
             return
         self.metrics.worker_rejects.labels(reason=msg.reason).inc()
+        log.debug("worker said %s: %s", msg.reason, msg.message,
+                  extra=about(msg.request_id, link.incarnation))
         if msg.reason == RejectReason.NOT_NOW:
             link.held = True  # our view was stale: wait for a fresh report before sending more
             job.num_dispatches -= 1

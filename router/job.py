@@ -6,8 +6,10 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from common.errors import HeadroomError
+from common.protocol import SamplingParams
 
 
 class JobState(StrEnum):
@@ -18,20 +20,46 @@ class JobState(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """A row's token budget and how it samples (sent to the worker as is)."""
+
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+    params: SamplingParams = SamplingParams()
 
 
 @dataclass(slots=True, eq=False)
 class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None
+    # One [logprob, top_ids, top_logprobs] per token, when the request asked for them.
+    logprobs: list[list[Any]] | None = None
 
 
 Event = TokenEvent | HeadroomError
+
+
+class ChoiceEvents:
+    """A job's event sink: tags each event with the job's choice index on its request's
+    shared queue, so one loop serves every choice of a request (n > 1, several prompts)."""
+
+    __slots__ = ("shared", "index")
+
+    def __init__(self, shared: asyncio.Queue[tuple[int, Event]], index: int) -> None:
+        self.shared = shared
+        self.index = index
+
+    def put_nowait(self, event: Event) -> None:
+        self.shared.put_nowait((self.index, event))
+
+
+@dataclass(slots=True, eq=False)
+class Rows:
+    """One request's jobs, a row each, and the queue their tagged events arrive on."""
+
+    request_id: str
+    prompt_tokens: int
+    plan: Any = None                      # router.plan.OutputPlan: how to read the output back
+    jobs: list[Job] = field(default_factory=list)
+    events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +71,7 @@ class Job:
     sampling: Sampling
     deadline: float                       # monotonic seconds: queued past this → 503
     enqueued_at: float
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Event] | ChoiceEvents = field(default_factory=asyncio.Queue)
     state: JobState = JobState.QUEUED
     incarnation: int | None = None        # the worker it runs on
     num_output_tokens: int = 0

@@ -1,13 +1,18 @@
-"""From token events to responses: detokenize, apply stop strings, count, format.
+"""From token events to OpenAI responses: detokenize, apply stop strings, count, format.
 
-`Collector` is shared by every API; a `Presenter` is one API's view of it (the OpenAI one,
-`ChatPresenter`, is here; router/anthropic_api.py and router/responses_api.py hold theirs).
+One ``Collector`` per choice (each choice is one row in the worker's batch); one
+``Formatter`` per request builds the chat or text completion shapes, streamed and not,
+with logprobs in OpenAI's shapes when the request asked for them. A ``Presenter`` is one
+API's view of the collectors (the OpenAI one, ``ChatPresenter``, is here;
+router/anthropic_output.py and router/responses_output.py hold the others), so one stream
+loop in router/api.py serves every API.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from common.errors import HeadroomError
@@ -15,12 +20,28 @@ from router.job import TokenEvent
 from router.schema import Parsed
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
+from router.tools import Delta, StreamParser, ToolCall
+
+# A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
+LogprobRow = list[Any]
 
 
 class Collector:
-    """Text and usage of one request as its tokens arrive."""
+    """Text, reasoning, tool calls, logprobs and usage of one choice as its tokens arrive.
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int) -> None:
+    With a ``parser`` the text is split into content, reasoning and tool calls; with
+    ``inline_reasoning`` the reasoning stays in the content, where the model wrote it.
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int,
+                 index: int = 0, parser: StreamParser | None = None,
+                 inline_reasoning: bool = False) -> None:
+        self.index = index
+        self.parser = parser
+        self.inline_reasoning = inline_reasoning
+        self.reasoning_parts: list[str] = []
+        self.calls: list[ToolCall] = []
+        self._delta_parsed = Delta()
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stops) if stops else None
         self.prompt_tokens = prompt_tokens
@@ -28,12 +49,19 @@ class Collector:
         self.finished = False
         self.finish_reason: str | None = None
         self.parts: list[str] = []
-        self._delta: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[LogprobRow] = []
+        self._delta_logprobs: list[tuple[int, LogprobRow]] = []
 
     def feed(self, event: TokenEvent) -> None:
         if self.finished:
             return
         self.completion_tokens += len(event.token_ids)
+        if event.logprobs is not None:
+            for token, row in zip(event.token_ids, event.logprobs):
+                self.token_ids.append(token)
+                self.logprobs.append(row)
+                self._delta_logprobs.append((token, row))
         text = self.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
             text += self.detokenizer.flush()
@@ -43,49 +71,91 @@ class Collector:
             if event.finish_reason is not None and not stopped:
                 text += self.stops.flush()
                 stopped = self.stops.is_stopped
-        if text:
-            self.parts.append(text)
-            self._delta.append(text)
+        ending = stopped or event.finish_reason is not None
+        self._add(self._split(text, ending))
         if stopped:
             self.finished, self.finish_reason = True, "stop"
         elif event.finish_reason is not None:
             self.finished = True
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
+        if self.finished and self.calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+
+    def _split(self, text: str, ending: bool) -> Delta:
+        if self.parser is None:
+            return Delta(content=text)
+        d = self.parser.feed(text)
+        if ending:
+            d.add(self.parser.finish())
+        if self.inline_reasoning and d.reasoning:
+            d.content, d.reasoning = d.reasoning + d.content, ""
+        return d
+
+    def _add(self, d: Delta) -> None:
+        if d.content:
+            self.parts.append(d.content)
+        if d.reasoning:
+            self.reasoning_parts.append(d.reasoning)
+        self.calls.extend(d.calls)
+        self._delta_parsed.add(d)
+
+    def take_delta(self) -> tuple[Delta, list[tuple[int, LogprobRow]]]:
+        delta, self._delta_parsed = self._delta_parsed, Delta()
+        logprobs, self._delta_logprobs = self._delta_logprobs, []
+        return delta, logprobs
+
+    def take_chat_delta(self) -> dict[str, Any]:
+        """What was gathered since the last take, as a chat completion's stream delta carries it
+        (whole tool calls, numbered across the choice); the other APIs' presenters build on it."""
+        delta, _ = self.take_delta()
+        first = len(self.calls) - len(delta.calls)
+        return {"content": delta.content, "reasoning_content": delta.reasoning, "tool_calls": [
+            {"index": n, "id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for n, call in enumerate(delta.calls, start=first)]}
 
     @property
     def stop_sequence(self) -> str | None:
         """The stop string that ended the text, if one did."""
         return self.stops.matched if self.stops is not None else None
 
-    def take_delta(self) -> str:
-        delta = "".join(self._delta)
-        self._delta.clear()
-        return delta
-
-    def take_chat_delta(self) -> dict[str, Any]:
-        """What was gathered since the last take, as a chat completion's stream delta carries
-        it; router/anthropic_output.py and router/responses_output.py build from these."""
-        return {"content": self.take_delta()}
-
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+
+def token_text(raw: bytes) -> str:
+    """A token as text; a piece of a character is spelled ``bytes:\\xe2\\x80`` as OpenAI does,
+    so distinct byte tokens stay distinct keys in the legacy ``top_logprobs`` dicts."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def usage(collectors: list[Collector], prompt_tokens: int) -> dict[str, int]:
+    completion = sum(c.completion_tokens for c in collectors)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
 
 
 class Formatter:
     """The OpenAI shapes for chat and text completions, streamed and not."""
 
-    def __init__(self, parsed: Parsed, request_id: str, model_id: str) -> None:
+    def __init__(self, parsed: Parsed, request_id: str, model_id: str,
+                 token_bytes: Callable[[int], bytes]) -> None:
         self.chat = parsed.kind == "chat"
         self.include_usage = parsed.include_usage
+        self.wants_logprobs = parsed.sampling.params.num_logprobs is not None
         self.request_id = request_id
         self.model_id = model_id
+        self.token_bytes = token_bytes
         self.created = int(time.time())
-        self._role_sent = False
+        self._role_sent: set[int] = set()
 
     def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -95,42 +165,107 @@ class Formatter:
             body["usage"] = None
         return body
 
-    def chunk(self, delta: str) -> dict[str, Any]:
+    def chunks(self, c: Collector, delta: Delta, logprobs: list[tuple[int, LogprobRow]],
+               text_offset: int = 0) -> list[dict[str, Any]]:
+        """The stream chunks for what one choice added: its text (and reasoning) first,
+        then each new tool call as two chunks, its id and name, then its arguments."""
+        index = c.index
+        lp = self._logprobs(logprobs, text_offset) if self.wants_logprobs else None
         if not self.chat:
-            return self._envelope([{"index": 0, "text": delta, "logprobs": None,
-                                    "finish_reason": None}], chunk=True)
-        body: dict[str, Any] = {"content": delta}
-        if not self._role_sent:
-            body["role"] = "assistant"
-            self._role_sent = True
-        return self._envelope([{"index": 0, "delta": body, "logprobs": None,
-                                "finish_reason": None}], chunk=True)
+            if not delta.content and not logprobs:
+                return []
+            return [self._envelope([{"index": index, "text": delta.content, "logprobs": lp,
+                                     "finish_reason": None}], chunk=True)]
+        out = []
+        if delta.content or delta.reasoning or lp is not None or index not in self._role_sent:
+            body: dict[str, Any] = {"content": delta.content}
+            if delta.reasoning:
+                body["reasoning_content"] = delta.reasoning
+            out.append(self._delta_chunk(index, body, lp))
+        first = len(c.calls) - len(delta.calls)
+        for n, call in enumerate(delta.calls, start=first):
+            head = {"index": n, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            out.append(self._delta_chunk(index, {"tool_calls": [head]}, None))
+            args = {"index": n, "function": {"arguments": call.arguments}}
+            out.append(self._delta_chunk(index, {"tool_calls": [args]}, None))
+        return out
 
-    def needs_first_chunk(self) -> bool:
-        return self.chat and not self._role_sent
+    def _delta_chunk(self, index: int, body: dict[str, Any], lp: Any) -> dict[str, Any]:
+        if index not in self._role_sent:
+            body = {"role": "assistant", **body}
+            self._role_sent.add(index)
+        return self._envelope([{"index": index, "delta": body, "logprobs": lp,
+                                "finish_reason": None}], chunk=True)
 
     def final_chunk(self, c: Collector) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+            choice: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None,
                                       "finish_reason": c.finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
+            choice = {"index": c.index, "text": "", "logprobs": None,
+                      "finish_reason": c.finish_reason}
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, c: Collector) -> dict[str, Any]:
+    def usage_chunk(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
         body = self._envelope([], chunk=True)
-        body["usage"] = c.usage()
+        body["usage"] = usage(collectors, prompt_tokens)
         return body
 
-    def full(self, c: Collector) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                                      "logprobs": None, "finish_reason": c.finish_reason}
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        body = self._envelope([choice], chunk=False)
-        body["usage"] = c.usage()
+    def full(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
+        choices = []
+        for c in collectors:
+            lp = self._logprobs(list(zip(c.token_ids, c.logprobs)), 0) if self.wants_logprobs else None
+            if self.chat:
+                choices.append({"index": c.index, "message": self._message(c), "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = usage(collectors, prompt_tokens)
         return body
+
+    def _message(self, c: Collector) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": c.text if c.text or not c.calls else None}
+        if c.reasoning_parts:
+            message["reasoning_content"] = c.reasoning
+        if c.calls:
+            message["tool_calls"] = [
+                {"id": t.id, "type": "function",
+                 "function": {"name": t.name, "arguments": t.arguments}} for t in c.calls]
+        return message
+
+    def _logprobs(self, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_entry(token, row) for token, row in rows], "refusal": None}
+        return self._completion_logprobs(rows, text_offset)
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self.token_bytes(token)
+        return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+    def _chat_entry(self, token: int, row: LogprobRow) -> dict[str, Any]:
+        logprob, top_ids, top_lps = row
+        entry = self._entry(token, logprob)
+        entry["top_logprobs"] = [self._entry(t, v) for t, v in zip(top_ids, top_lps)]
+        return entry
+
+    def _completion_logprobs(self, rows: list[tuple[int, LogprobRow]], offset: int) -> dict[str, Any]:
+        """Legacy shape: the top dict holds the k most likely and always the sampled token."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token, (logprob, top_ids, top_lps) in rows:
+            text = self._entry(token, logprob)["token"]
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top = {self._entry(t, v)["token"]: v for t, v in zip(top_ids, top_lps)}
+            top.setdefault(text, logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -142,8 +277,8 @@ class Presenter(Protocol):
     """One API's shapes for a request's output; router/api.py's loop calls these.
 
     Stream methods return the bytes to write, b"" for nothing. A presenter keeps what it has
-    sent, so it opens its stream (headers of the message, the first block) when it first
-    has something to say, and closes what it opened.
+    sent, so it opens its stream (the message's head, the first block) when it first has
+    something to say, and closes what it opened.
     """
 
     def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
@@ -174,22 +309,20 @@ class ChatPresenter:
         self.fmt = fmt
 
     def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
-        return self.fmt.full(collectors[0])
+        return self.fmt.full(collectors, prompt_tokens)
 
     def delta(self, c: Collector) -> bytes:
-        text = c.take_delta()
-        if not text and not self.fmt.needs_first_chunk():
-            return b""
-        return sse(self.fmt.chunk(text))
+        delta, logprobs = c.take_delta()
+        out = b"".join(sse(chunk) for chunk in
+                       self.fmt.chunks(c, delta, logprobs, len(c.text) - len(delta.content)))
+        return out + sse(self.fmt.final_chunk(c)) if c.finished else out
 
     def keepalive(self) -> bytes:
         return b": keepalive\n\n"
 
     def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
-        tail = sse(self.fmt.final_chunk(collectors[0]))
-        if self.fmt.include_usage:
-            tail += sse(self.fmt.usage_chunk(collectors[0]))
-        return tail + b"data: [DONE]\n\n"
+        usage_chunk = sse(self.fmt.usage_chunk(collectors, prompt_tokens)) if self.fmt.include_usage else b""
+        return usage_chunk + b"data: [DONE]\n\n"
 
     def error(self, exc: HeadroomError) -> bytes:
         return sse(exc.to_body(), event="error") + b"data: [DONE]\n\n"

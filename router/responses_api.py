@@ -17,10 +17,11 @@ from aiohttp import web
 
 from common.errors import BadRequest
 from router.api import Api, Endpoint
-from router.job import Job
+from router.job import Rows
 from router.output import Presenter
 from router.responses_output import ResponsesPresenter
 from router.schema import Parsed, parse_chat
+from router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -189,22 +190,22 @@ def _text_format(text: Any) -> dict[str, Any] | None:
                      param="text.format")
 
 
-def parse_responses(body: Any, default_max_tokens: int) -> Parsed:
-    return parse_chat(to_chat(body), default_max_tokens)
+def parse_responses(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+    return parse_chat(to_chat(body), default_max_tokens)  # one output: Responses has no n
 
 
 # -- the endpoint ----------------------------------------------------------------------
 
 
-def _present(body: Any, parsed: Parsed, job: Job, model_id: str) -> Presenter:
+def _present(body: Any, parsed: Parsed, rows: Rows, model_id: str, tok: RouterTokenizer) -> Presenter:
     echo = {"model": model_id, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": parsed.sampling.temperature, "top_p": parsed.sampling.top_p,
+            "temperature": parsed.sampling.params.temperature, "top_p": parsed.sampling.params.top_p,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "text": body.get("text") or {"format": {"type": "text"}},
             "metadata": body.get("metadata") or {}}
-    return ResponsesPresenter(job.request_id, echo)
+    return ResponsesPresenter(rows.request_id, echo)
 
 
 RESPONSES = Endpoint("responses", "resp_", parse_responses, _present)

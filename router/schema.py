@@ -7,32 +7,27 @@ clients often send vendor extras.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import BadRequest
+from router.constraints import ResponseFormat
 from router.job import Sampling
+from router.sampling import is_int, parse_max_tokens, parse_sampling
+from router.toolspec import (
+    Tool, ToolChoice, parse_response_format, parse_tool_calls, parse_tool_choice, parse_tools,
+)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOPS = 4
+MAX_PROMPTS = 64
 # Parameter → predicate that is true at its neutral value.
 NEUTRAL: dict[str, Any] = {
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v in (None, 1, 1.0),
-    "logit_bias": lambda v: v is None or v == {},
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: v in (None, []),
     "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "top_k": lambda v: v in (None, 0, -1),
-    "min_p": lambda v: v in (None, 0, 0.0),
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -41,7 +36,11 @@ NEUTRAL: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    """A validated request, before tokenization."""
+    """A validated request, before tokenization.
+
+    A completion has one or more ``prompts`` (text or token ids); a chat has ``messages``.
+    Each prompt is answered ``n`` times, each answer its own row in the batch.
+    """
 
     kind: str                                  # "chat" | "completion"
     model: str
@@ -49,38 +48,56 @@ class Parsed:
     stream: bool
     include_usage: bool
     stop: list[str]
-    prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
+    n: int = 1
+    prompts: list[str | list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = ToolChoice("none")
+    response_format: ResponseFormat | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    separate_reasoning: bool = True            # reasoning text in reasoning_content
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * (len(self.prompts) if self.prompts is not None else 1)
 
 
-def parse_completion(body: Any, default_max_tokens: int) -> Parsed:
+def parse_completion(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
     body = _object(body)
     prompt = body.get("prompt")
-    text: str | None = None
-    ids: list[int] | None = None
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = [int(t) for t in prompt]
-    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return parse_completion({**body, "prompt": prompt[0]}, default_max_tokens)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("only one prompt per request is supported", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p))
+            for p in prompt):
+        prompts = list(prompt)
     else:
-        raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
-    if text == "":
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of either",
+                         param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    if any(p == "" for p in prompts):
         raise BadRequest("prompt must not be empty", param="prompt")
-    return _common(body, "completion", default_max_tokens, prompt_text=text, prompt_ids=ids)
+    prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    return _common(body, "completion", default_max_tokens, max_n, prompts=prompts)
 
 
-def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
+def parse_chat(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
     clean = [_message(m, i) for i, m in enumerate(messages)]
-    return _common(body, "chat", default_max_tokens, messages=clean)
+    tools = parse_tools(body.get("tools"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise BadRequest("parallel_tool_calls must be a bool", param="parallel_tool_calls")
+    return _common(body, "chat", default_max_tokens, max_n, messages=clean, tools=tools,
+                   tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+                   template_kwargs=dict(kwargs or {}),
+                   separate_reasoning=_optional(body, "separate_reasoning", bool, True))
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -89,20 +106,12 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _message(m: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise BadRequest(f"{param} must be an object", param=param)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or dict is unhashable
         raise BadRequest(f"{param}.role must be one of {sorted(ROLES)}, got {role!r}",
                          param=f"{param}.role")
     content = m.get("content")
@@ -115,7 +124,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                                  param=f"{param}.content")
             parts.append(part["text"])
         content = "".join(parts)
-    elif content is None and role == "assistant":
+    elif content is None and role in ("assistant", "tool"):
         content = ""
     elif not isinstance(content, str):
         raise BadRequest(f"{param}.content must be a string or a list of text parts",
@@ -123,10 +132,17 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = parse_tool_calls(m["tool_calls"], f"{param}.tool_calls")
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+        out["reasoning_content"] = m["reasoning_content"]
     return out
 
 
-def _common(body: dict[str, Any], kind: str, default_max_tokens: int, **prompt: Any) -> Parsed:
+def _common(body: dict[str, Any], kind: str, default_max_tokens: int, max_n: int,
+            **prompt: Any) -> Parsed:
     for name, is_neutral in NEUTRAL.items():
         if name in body and not is_neutral(body[name]):
             raise BadRequest(f"{name} is not supported (only its default value is accepted)",
@@ -138,42 +154,20 @@ def _common(body: dict[str, Any], kind: str, default_max_tokens: int, **prompt: 
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
+        if not stream:  # as OpenAI answers
+            raise BadRequest("stream_options is only allowed when stream is true",
+                             param="stream_options")
         if not isinstance(options, dict):
             raise BadRequest("stream_options must be an object", param="stream_options")
         include_usage = _optional(options, "include_usage", bool, False, "stream_options.include_usage")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise BadRequest("only n=1 is supported", param="n")
-    return Parsed(kind=kind, model=model or "", sampling=_sampling(body, default_max_tokens),
-                  stream=stream, include_usage=include_usage, stop=_stops(body.get("stop")),
-                  **prompt)
-
-
-def _sampling(body: dict[str, Any], default_max_tokens: int) -> Sampling:
-    max_tokens = default_max_tokens
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _is_int(value) or value <= 0:
-            raise BadRequest(f"{name} must be a positive integer, got {value!r}", param=name)
-        max_tokens = value
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = 1.0
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise BadRequest("temperature must be a number in [0, 2]", param="temperature")
-    top_p = body.get("top_p")
-    if top_p is None:
-        top_p = 1.0
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise BadRequest("top_p must be a number in (0, 1]", param="top_p")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
-        raise BadRequest("seed must be an integer", param="seed")
-    ignore_eos = _optional(body, "ignore_eos", bool, False)
-    return Sampling(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                    seed=None if seed is None else seed % 2**63, ignore_eos=ignore_eos)
+    if n is not None and (not is_int(n) or not 1 <= n <= max_n):
+        raise BadRequest(f"n must be an integer in [1, {max_n}] (the server's --max-n)", param="n")
+    sampling = Sampling(max_tokens=parse_max_tokens(body, default_max_tokens),
+                        params=parse_sampling(body, chat=kind == "chat"))
+    return Parsed(kind=kind, model=model or "", sampling=sampling, stream=stream,
+                  include_usage=include_usage, stop=_stops(body.get("stop")), n=n or 1,
+                  response_format=parse_response_format(body.get("response_format")), **prompt)
 
 
 def _stops(stop: Any) -> list[str]:

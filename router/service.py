@@ -1,4 +1,4 @@
-"""`mlx-router service install|uninstall|status` and `mlx-router status`.
+"""`mlx-router service install|uninstall|status`.
 
 Two jobs, as on a production Mac: the router (`--worker-mode external`) and the worker,
 which connects to it over an ipc:// socket in a runtime directory only the user can read.
@@ -16,8 +16,6 @@ import plistlib
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,8 +188,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: Sequence[str], env: Mapping[str, str]) -> int:
-    if args[0] == "status":
-        return print_status(args[1:])
     ns = parser().parse_args(list(args[1:]))
     platform = "darwin" if ns.platform == "darwin" else "linux"
     spec = make_spec(ns, env)
@@ -224,22 +220,3 @@ def _run(cmd: list[str]) -> int:
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode
-
-
-def print_status(args: Sequence[str]) -> int:
-    """`mlx-router status [--host H] [--port P]`: what the running router says of itself."""
-    p = argparse.ArgumentParser(prog="mlx-router status")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    ns = p.parse_args(list(args))
-    url = f"http://{ns.host}:{ns.port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            body = json.load(resp)
-    except urllib.error.HTTPError as exc:
-        body = json.load(exc)
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"mlx-router: no router answers at {url}: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(body, indent=2))
-    return 0 if body.get("status") == "ok" else 1

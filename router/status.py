@@ -1,17 +1,26 @@
-"""What operators watch: /health, /v1/memory, /metrics (prometheus-client) and a status page."""
+"""What operators watch: /health, /v1/memory, /metrics (prometheus-client), the status
+page at / and its data at /status.
+
+/, /static/* and /status answer without the API key, like /health: the page is for
+anyone who can reach the port. They show counts, states, memory and error codes, never a
+prompt, a key, a file path or a worker's stderr (those stay in /health and the logs).
+"""
 
 from __future__ import annotations
 
-import html
-import json
+import asyncio
 import time
+from importlib import resources
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from common.version import __version__
+from router.access import AUTHORIZED
 from router.dispatch import Dispatcher
+from router.history import SAMPLE_INTERVAL_S, History, Sample
 from router.supervisor import Supervisor, WorkerState
 
 # Latency buckets from 1 ms to 2 min: TTFT spans queueing as well as prefill.
@@ -49,29 +58,50 @@ class Metrics:
         self.cancelled = Counter("headroom_cancelled_requests",
                                  "Requests cancelled (client gone or stop string), by where.",
                                  ["where"], registry=r)
+        self.slow_readers = Counter("headroom_slow_readers",
+                                    "Streams dropped because their client stopped reading.",
+                                    registry=r)
+        self.refused_handshakes = Counter(
+            "headroom_refused_handshakes", "Worker connections refused by CURVE, by reason.",
+            ["reason"], registry=r)
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
         self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
                             ["field"], registry=r)
         self.cost_model = Gauge("headroom_cost_model", "The worker's cost model correction: "
                                 "scale (1 = the fitted model) and the worst measured/predicted step.",
                                 ["field"], registry=r)
+        self.history = History()  # the last minutes, for the status page
 
 
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
                  "headroom_bytes", "reserved_bytes")
+# The worker report's fields the status page shows (the rest stays in /v1/memory).
+PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device",
+                                      "context_length", "max_request_tokens", "running",
+                                      "max_running_requests")
+# The page's files, served from the package (router/static/), never from elsewhere.
+STATIC_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
+                ".svg": "image/svg+xml"}
+# The page may load only what this router serves, and may not be framed by another site.
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
+                "style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+                "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"}
 
 
 class StatusViews:
     """Handlers for the operator endpoints; they read state, they never change it."""
 
     def __init__(self, dispatcher: Dispatcher, supervisor: Supervisor, metrics: Metrics,
-                 model_id: str, is_draining: Any, tokenizer_ready: Any) -> None:
+                 model_id: str, is_draining: Any, tokenizer_ready: Any,
+                 warnings: list[str] | None = None) -> None:
         self.dispatcher = dispatcher
         self.supervisor = supervisor
         self.metrics = metrics
         self.model_id = model_id
         self.is_draining = is_draining
         self.tokenizer_ready = tokenizer_ready
+        self.warnings = list(warnings or [])
 
     def worker_summary(self) -> dict[str, Any]:
         summary = self.supervisor.describe()
@@ -83,8 +113,13 @@ class StatusViews:
             summary["max_request_tokens"] = report.get("max_request_tokens")
         return summary
 
-    def health_body(self) -> tuple[int, dict[str, Any]]:
+    def health_body(self, detailed: bool = True) -> tuple[int, dict[str, Any]]:
+        """``detailed=False`` (a caller without the API key) leaves out what could name a
+        file: the worker's log tail and a model given as a path."""
         worker = self.worker_summary()
+        if not detailed and worker.get("last_exit"):
+            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                   if k != "stderr_tail"}
         ready = worker["state"] == WorkerState.READY.value
         ok = ready and self.tokenizer_ready() and not self.is_draining()
         if ok:
@@ -93,15 +128,16 @@ class StatusViews:
             status = "draining"
         else:
             status = "loading tokenizer" if ready else worker["state"]
-        body = {"status": status, "model": self.model_id, "queued": len(self.dispatcher.backlog),
-                "workers": [worker]}
+        model = self.model_id if detailed else public_model_name(self.model_id)
+        body = {"status": status, "model": model, "queued": len(self.dispatcher.backlog),
+                "workers": [worker], "warnings": self.warnings}
         if self.dispatcher.refused is not None:
             body["refused_workers"] = [{**self.dispatcher.refused,
                                         "reason": "protocol version mismatch"}]
         return (200 if ok else 503), body
 
     async def health(self, request: web.Request) -> web.Response:
-        code, body = self.health_body()
+        code, body = self.health_body(detailed=request.get(AUTHORIZED, False))
         return web.json_response(body, status=code)
 
     async def memory(self, request: web.Request) -> web.Response:
@@ -134,11 +170,101 @@ class StatusViews:
                 if isinstance(value, (int, float)):
                     m.cost_model.labels(field=name).set(value)
 
+    # -- the status page and its data ------------------------------------------------
+
+    def take_sample(self, now: float) -> Sample:
+        """One chart point: the latest worker report, the queue, and the token rate."""
+        total = self.metrics.registry.get_sample_value("headroom_generated_tokens_total") or 0.0
+        link = self.dispatcher.link
+        report = link.status if link is not None and link.status is not None else {}
+        sample = Sample(at=round(now, 3), queued=len(self.dispatcher.backlog),
+                        running=len(link.in_flight) if link else 0,
+                        tokens_per_s=round(self.metrics.history.tokens_per_s(now, total), 2),
+                        **{f: _int(report.get(f)) for f in ("limit_bytes", "active_bytes",
+                           "cache_bytes", "reserved_bytes", "headroom_bytes")})
+        self.metrics.history.add(sample)
+        return sample
+
+    async def sample_loop(self) -> None:
+        while True:
+            self.take_sample(time.time())
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    def status_body(self, since: float | None) -> dict[str, Any]:
+        """Everything the page and `mlx-router status` show, safe to give without a key."""
+        _, health = self.health_body()
+        history = self.metrics.history
+        now = time.time()
+        latest = history.samples[-1] if history.samples else None
+        workers = self._page_workers()
+        return {"status": health["status"], "model": public_model_name(self.model_id),
+                "version": __version__, "at": now, "queued": health["queued"],
+                "running": sum(w["running"] for w in workers),
+                "tokens_per_s": latest.tokens_per_s if latest else 0.0,
+                "ttft": history.ttft_summary(now), "workers": workers,
+                "rejections": history.recent_rejections(), "warnings": health["warnings"],
+                "sample_interval_s": SAMPLE_INTERVAL_S, "window_s": history.window_s,
+                "history": history.samples_since(since)}
+
+    def _page_workers(self) -> list[dict[str, Any]]:
+        worker = self.supervisor.describe()
+        if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
+            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items() if k != "stderr_tail"}
+        if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
+            worker["incarnation"] = str(worker["incarnation"])
+        link = self.dispatcher.link
+        worker["running"] = len(link.in_flight) if link else 0
+        worker["memory"] = worker["prompt_cache"] = None
+        if link is not None and link.status is not None:
+            worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
+            worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
+            cache = link.status.get("prompt_cache")
+            worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
+        return [worker]
+
+    async def status(self, request: web.Request) -> web.Response:
+        try:
+            since = float(request.query["since"]) if "since" in request.query else None
+        except ValueError:
+            raise web.HTTPBadRequest(reason="since must be a number (unix seconds)") from None
+        return web.json_response(self.status_body(since), headers={"Cache-Control": "no-store"})
+
     async def page(self, request: web.Request) -> web.Response:
-        code, body = self.health_body()
-        pretty = html.escape(json.dumps(body, indent=2))
-        text = (f"<!doctype html><title>Headroom</title><h1>Headroom: {html.escape(body['status'])}"
-                f"</h1><p>{time.strftime('%Y-%m-%d %H:%M:%S')}</p><pre>{pretty}</pre>"
-                "<p><a href='/health'>/health</a> · <a href='/v1/memory'>/v1/memory</a> · "
-                "<a href='/metrics'>/metrics</a></p>")
-        return web.Response(text=text, content_type="text/html")
+        return _static_response("index.html")
+
+    async def static(self, request: web.Request) -> web.Response:
+        return _static_response(request.match_info["name"])
+
+
+def public_model_name(model: str) -> str:
+    """A local folder is shown by its name only; a hub id or 'demo' as given."""
+    if model.startswith(("/", "~", ".")):
+        return model.rstrip("/").rsplit("/", 1)[-1]
+    return model
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _numbers(d: dict[str, Any]) -> dict[str, Any]:
+    """Numbers and nested groups of numbers only: a cache's counts, never its folder."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _numbers(value)
+    return out
+
+
+def _static_response(name: str) -> web.Response:
+    suffix = name[name.rfind("."):] if "." in name else ""
+    folder = resources.files("router") / "static"
+    if "/" in name or name.startswith(".") or suffix not in STATIC_TYPES:
+        raise web.HTTPNotFound()
+    path = folder / name
+    if not path.is_file():
+        raise web.HTTPNotFound()
+    return web.Response(body=path.read_bytes(), content_type=STATIC_TYPES[suffix],
+                        charset="utf-8", headers=PAGE_HEADERS)

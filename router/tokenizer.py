@@ -131,6 +131,7 @@ class RouterTokenizer:
         self._template_vars = template_vars
         self._template: jinja2.Template | None = None
         self._template_error: str | None = None
+        self.chat_template_source = chat_template
         if chat_template is not None:
             self._template, self._template_error = _compile_template(chat_template)
         self._special_ids = frozenset(
@@ -143,8 +144,12 @@ class RouterTokenizer:
         self._byte_run_ids = frozenset() if self._byte_table is not None else _byte_fallback_ids(backend)
 
     @classmethod
-    def load(cls, path: str | Path) -> RouterTokenizer:
-        """Load the tokenizer of a local Hugging Face model folder, offline."""
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> RouterTokenizer:
+        """Load the tokenizer of a local Hugging Face model folder, offline.
+
+        A folder's own Python (a custom tokenizer class in ``auto_map``) runs only with
+        ``trust_remote_code``; otherwise transformers refuses such a folder.
+        """
         folder = Path(path)
         if not folder.is_dir():  # else transformers takes the path for a hub repo id
             raise ConfigError(f"model folder {folder} does not exist", param="model")
@@ -152,7 +157,8 @@ class RouterTokenizer:
         from transformers import AutoTokenizer
 
         try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                               trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}", param="model") from exc
         backend = getattr(hf, "backend_tokenizer", None)
@@ -186,15 +192,40 @@ class RouterTokenizer:
             raise BadRequest("prompt must be a string", param="prompt")
         return self._encode_batch([text], add_special_tokens=True)[0].ids
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a chat rendered with the generation prompt."""
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a chat already rendered by ``render_chat``."""
         if self.has_chat_template:
             # The template writes BOS itself when the model wants one
-            return self._encode_batch([self.render_chat(messages)], add_special_tokens=False)[0].ids
-        return self.encode(self.render_chat(messages))
+            return self._encode_batch([text], add_special_tokens=False)[0].ids
+        return self.encode(text)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat as text: the model's template, or the fallback format without one."""
+    @property
+    def can_take_tools(self) -> bool:
+        return self.chat_template_source is not None and "tools" in self.chat_template_source
+
+    @property
+    def think_markers(self) -> tuple[str, str] | None:
+        """The template's thinking markers, when it declares them."""
+        source = self.chat_template_source or ""
+        return ("<think>", "</think>") if "</think>" in source else None
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of a special token spelled ``text``, or None if there is none."""
+        token = self._backend.token_to_id(text)
+        return token if token is not None and token in self._special_ids else None
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat as text: the model's template, or the fallback format without one.
+
+        ``tools`` (OpenAI's function shapes) and ``template_kwargs`` (``enable_thinking``
+        and the like) are passed to the template, never over the names it is given here.
+        """
         chat = _plain_messages(messages)
         if self._template_error is not None:
             raise BadRequest(self._template_error, param="messages")
@@ -202,9 +233,11 @@ class RouterTokenizer:
             lines = [f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in chat]
             return "".join(lines) + FALLBACK_GENERATION_PROMPT
         try:
+            extra = {k: v for k, v in (template_kwargs or {}).items()
+                     if k not in ("messages", "tools", "documents", "add_generation_prompt")}
             return self._template.render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=True,
-                **self._template_vars,
+                **{**self._template_vars, **extra},
+                messages=chat, tools=tools or None, documents=None, add_generation_prompt=True,
             )
         except Exception as exc:  # untrusted code: any failure is this request's problem
             log.debug("chat template failed: %r", exc)
@@ -214,10 +247,22 @@ class RouterTokenizer:
         """Text of ids, without special tokens; the detokenizers' deltas add up to this."""
         return self._backend.decode(ids, skip_special_tokens=True)
 
-    def make_detokenizer(self) -> IncrementalDetokenizer:
-        """A fresh detokenizer for one stream."""
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a piece of a character for byte tokens), for logprobs."""
+        if self._byte_table is not None and token_id in self._byte_table:
+            return self._byte_table[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None and _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return self._backend.decode([token_id], skip_special_tokens=False).encode()
+
+    def make_detokenizer(self, keep: Iterable[str] = ()) -> IncrementalDetokenizer:
+        """A fresh detokenizer for one stream; the special tokens spelled in ``keep`` (tool
+        and reasoning markers a parser needs) stay in the text."""
         if self._byte_table is not None:
-            return ByteLevelDetokenizer(self._byte_table)
+            kept = {tid: text.encode() for text in keep
+                    if (tid := self.special_token_id(text)) is not None}
+            return ByteLevelDetokenizer({**self._byte_table, **kept} if kept else self._byte_table)
         return OffsetDetokenizer(
             self.decode, byte_run_ids=self._byte_run_ids, transparent_ids=self._special_ids,
             vocab_size=self._backend.get_vocab_size(with_added_tokens=True),

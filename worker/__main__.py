@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.config import WorkerConfig, env_snapshot, load, permanent_exit
+from common.curve import load_client_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from common.protocol import ExitCode
@@ -22,16 +23,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = env_snapshot()
     try:
         cfg = load(WorkerConfig, sys.argv[1:] if argv is None else argv, env, prog="mlx-worker")
+        curve = load_client_keys(cfg.curve_server_key, cfg.curve_secret_key)
     except ConfigError as exc:
         print(f"mlx-worker: {exc.message}", file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, sys.argv[1:] if argv is None else argv)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker")
     incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker",
+                  context={"incarnation": incarnation, "model": cfg.model})
 
     from worker.loader import LoadError, load_model  # imports mlx: after config is good
 
     try:
-        loaded = load_model(cfg.model, env)
+        loaded = load_model(cfg.model, env, trust_remote_code=cfg.trust_remote_code)
     except LoadError as exc:
         log.error("model failed to load: %s", exc)
         return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
@@ -39,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker.boot import build_server, NotEnoughMemory
 
     try:
-        server = build_server(cfg, loaded, incarnation, _cache_dir(env))
+        server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve)
     except NotEnoughMemory as exc:
         log.error("%s", exc)
         return permanent_exit(ExitCode.NO_MEMORY, (), cfg.service_manager)

@@ -12,12 +12,15 @@ from mlx.utils import tree_flatten
 
 from common import costmodel
 from common.config import WorkerConfig
+from common.curve import ClientKeys
 from common.protocol import Hello
 from common.version import __version__
 from worker.calibrate import cache_key, calibrate
 from worker.engine import Engine
+from worker.grammar import GrammarCompiler
 from worker.loader import LoadedModel, context_length
-from worker.memory import MemoryState, MlxProbe, ModelShape, static_cost_model
+from worker.devices import make_probe
+from worker.memory import MemoryState, ModelShape, static_cost_model
 from worker.server import ServerOptions, WorkerServer
 from worker.warmup import warm_up
 
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 PREFILL_BATCH_SIZE = 8
 # Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
 # first kernels can take tens of seconds to compile, better before "ready" than after.
-WARMUP_BUDGET_S = {"cpu": 2.0}
+WARMUP_BUDGET_S = {"cpu": 1.0}
 WARMUP_BUDGET_DEFAULT_S = 60.0
 
 
@@ -65,11 +68,13 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
 
 
 def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
-                 cache_dir: Path | None) -> WorkerServer:
-    probe = MlxProbe(cfg.memory_limit_mb)
+                 cache_dir: Path | None, curve: ClientKeys | None = None) -> WorkerServer:
+    probe = make_probe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
-    active = probe.read().active_bytes
-    baseline = max(0, active - shape.weights_bytes)
+    # Everything this process holds beyond the weights (on CUDA the context and library
+    # workspaces that MLX's allocator never counts): the budget must not promise it.
+    idle = probe.read()
+    baseline = max(0, idle.used_bytes - shape.weights_bytes)
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
                                prefill_step_tokens=cfg.prefill_step_size,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
@@ -81,16 +86,20 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
-                         baseline_bytes=baseline)
+                         baseline_bytes=baseline,
+                         active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
     memory.extra["calibration"] = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),
         "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
         "kv_bytes_per_token": calibration.kv_bytes_per_token,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
+    grammars = GrammarCompiler(str(loaded.path), shape.vocab_size or loaded.tokenizer.vocab_size,
+                               sorted(loaded.tokenizer.eos_token_ids))
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
-                    prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size)
+                    prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
+                    grammars=grammars)
     warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=cfg.prefill_step_size,
                    max_batch=cfg.max_batch_size,
                    budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
@@ -109,7 +118,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                          oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
                          max_running=max_running, vocab_size=shape.vocab_size,
                          wedge_after_steps=cfg.test_wedge_after_steps,
-                         grow_scale_on_signal=cfg.test_grow_scale)
+                         grow_scale_on_signal=cfg.test_grow_scale, curve=curve)
     log.info("device %s, limit %d MiB, weights %d MiB, budget %d MiB, KV %d B/token, "
              "max request %d tokens, oom guard %s, admission %s",
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,

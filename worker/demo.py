@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Bump whenever anything below changes the built bytes: it is part of the
 # folder name, so old caches are simply ignored rather than half-reused.
-DEMO_VERSION: int = 2
+DEMO_VERSION: int = 3
 
 _LOCK_TIMEOUT_S: float = 300.0
 _WEIGHT_SEED: int = 20240601
@@ -53,9 +53,32 @@ IM_START: str = "<|im_start|>"
 IM_END: str = "<|im_end|>"
 _SPECIAL_TOKENS: list[str] = [ENDOFTEXT, IM_START, IM_END]
 
+# A Qwen-style template (Hermes <tool_call> JSON, its instructions cut short: prompts on the
+# CPU test machines cost a lot per token) that takes tools, renders tool calls and
+# tool results in the history, and declares <think> markers: with enable_thinking the
+# generation prompt opens a thinking block, as Qwen3 and DeepSeek-R1 templates do. Without
+# tools or thinking it renders exactly as the plain ChatML template of demo v2.
 CHAT_TEMPLATE: str = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and loop.first and tools %}"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}"
+    "{% for tc in m.get('tool_calls') or [] %}"
+    "{% if not loop.first or m['content'] %}\n{% endif %}"
+    '<tool_call>\n{"name": "{{ tc["function"]["name"] }}", "arguments": '
+    '{{ tc["function"]["arguments"] | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 
 _MANIFEST: str = "manifest.json"

@@ -17,9 +17,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import apply_top_p
+
+from common.protocol import SamplingParams
+from worker.grammar import GrammarCompiler
+from worker.sampling import logprob_rows, make_processors, make_sampler
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class Running:
     uid: int
     prompt_tokens: int
     max_tokens: int
+    num_logprobs: int | None = None
     generated: int = 0
     prefilled: int = 0          # prompt tokens processed (the generator's ``progress``)
     decoding: bool = False      # the prompt is done (``end_of_prompt``)
@@ -53,35 +56,16 @@ class Output:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None
-
-
-def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
-    """Per-request sampler; None means the generator's shared greedy sampler.
-
-    A seeded request carries its own PRNG key, split once per step, so its tokens do not
-    depend on what else is in the batch or on the global random state.
-    """
-    if temperature <= 0:
-        return None
-    inv_temp = 1.0 / temperature
-    key = [mx.random.key(seed)] if seed is not None else None
-
-    def sample(logprobs: mx.array) -> mx.array:
-        if 0.0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
+    logprobs: list[list[Any]] | None = None  # [logprob, top_ids, top_logprobs] per token
 
 
 class Engine:
     """Wraps BatchGenerator: insert, cancel, step → outputs."""
 
     def __init__(self, model: Any, eos_token_ids: list[int], *, prefill_step_size: int,
-                 prefill_batch_size: int, max_batch_size: int) -> None:
+                 prefill_batch_size: int, max_batch_size: int,
+                 grammars: GrammarCompiler | None = None) -> None:
+        self.grammars = grammars
         self._eos = StopSequences([[e] for e in eos_token_ids] or None)
         self._no_eos = StopSequences(None)
         self.generator = BatchGenerator(
@@ -105,14 +89,15 @@ class Engine:
         self.generator.prefill_step_size = tokens
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
-            temperature: float, top_p: float, seed: int | None, ignore_eos: bool) -> None:
+            sampling: SamplingParams = SamplingParams()) -> None:
         (uid,) = self.generator.insert(
             [prompt_ids],
             max_tokens=[max_tokens],
-            samplers=[make_sampler(temperature, top_p, seed)],
-            stop_sequences=[self._no_eos if ignore_eos else self._eos],
+            samplers=[make_sampler(sampling)],
+            logits_processors=[make_processors(sampling, self.grammars)],
+            stop_sequences=[self._no_eos if sampling.ignore_eos else self._eos],
         )
-        run = Running(request_id, uid, len(prompt_ids), max_tokens)
+        run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs)
         self.running[request_id] = run
         self._by_uid[uid] = run
 
@@ -142,6 +127,7 @@ class Engine:
                 run.prefilled = int(p.progress[0])
                 run.decoding = run.decoding or bool(p.end_of_prompt)
         outputs: list[Output] = []
+        wanted: list[tuple[Any, int, int]] = []
         for r in responses:
             # A finished response holds its prompt cache, which pins the whole batch's
             # cache buffers; drop it at once.
@@ -156,7 +142,13 @@ class Engine:
             if r.finish_reason is not None:
                 del self._by_uid[r.uid]
                 del self.running[run.request_id]
-            outputs.append(Output(run.request_id, ids, r.finish_reason))
+            if run.num_logprobs is not None and ids:
+                wanted.append((r.logprobs, r.token, run.num_logprobs))
+            outputs.append(Output(run.request_id, ids, r.finish_reason,
+                                  [] if run.num_logprobs is not None else None))
+        for out, row in zip((o for o in outputs if o.logprobs is not None and o.token_ids),
+                            logprob_rows(wanted)):
+            out.logprobs.append(row)
         return outputs
 
     def _next_prefill(self) -> list[Running]:

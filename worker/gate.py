@@ -220,7 +220,7 @@ class MemoryGate:
         """What running rows already hold above weights and baseline."""
         mem = self.memory
         r = mem.last or mem.refresh()
-        return max(0, r.active_bytes - mem.weights_bytes - mem.baseline_bytes)
+        return max(0, r.active_bytes - mem.idle_active_bytes)
 
     def free_bytes(self) -> int:
         """Live headroom minus what is promised to running rows but not yet allocated."""
@@ -231,12 +231,13 @@ class MemoryGate:
     # -- the step ----------------------------------------------------------------------
 
     def chunk(self, view: EngineView, paced: int) -> int:
-        """The next prefill chunk: the paced size, within what is left of the budget."""
-        if not self.admission:
+        """The next prefill chunk: the paced size, or the largest whose step stays within
+        the budget beside the batch's cache (the chunk's transient replaces the one that
+        admission assumed; it is not charged twice)."""
+        if not self.admission or not view.rows:
             return paced
-        free = max(0, self.model.budget_bytes - self.memory.reserved_bytes)
-        context = view.longest or paced
-        return min(paced, costmodel.safe_prefill_chunk(self.model, free, context, max(view.prefill_rows, 1)))
+        return costmodel.chunk_that_fits(self.model, view.rows, view.longest, max(view.prefill_rows, 1),
+                                         view.longest, self.model.budget_bytes, paced)
 
     def pressure(self, view: EngineView, chunk_tokens: int) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
@@ -277,7 +278,7 @@ class MemoryGate:
     def observe_step(self, predicted_fitted: int, now: float) -> bool:
         """Compare the step's measured peak with the prediction. True: the model changed."""
         mem = self.memory
-        measured = mem.probe.step_peak() - mem.weights_bytes - mem.baseline_bytes
+        measured = mem.probe.step_peak() - mem.idle_active_bytes
         changed = self.tracker.observe(measured, predicted_fitted, now)
         mem.worst_measured_over_predicted = self.tracker.worst_ratio
         if changed:

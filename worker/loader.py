@@ -69,7 +69,10 @@ def weights_on_disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float = 30.0) -> LoadedModel:
+def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float = 30.0,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load weights and tokenizer. A model folder is data: its own Python (a ``model_file``
+    in config.json, a tokenizer class in ``auto_map``) runs only with ``trust_remote_code``."""
     path = resolve_path(model, env)
     needed = int(weights_on_disk_bytes(path) * 1.1)
     if not wait_for_memory(lambda: psutil.virtual_memory().available, needed, wait_for_memory_s):
@@ -78,7 +81,9 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
     try:
         import mlx_lm
 
-        loaded, tokenizer = mlx_lm.load(str(path))
+        loaded, tokenizer = mlx_lm.load(
+            str(path), tokenizer_config={"trust_remote_code": trust_remote_code},
+            trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise LoadError(f"mlx-lm could not load {path}: {exc}") from None
     config = json.loads((path / "config.json").read_text())

@@ -62,6 +62,7 @@ class MlxProbe:
 
         self._mx = mx
         self.device = "metal" if mx.metal.is_available() else "cpu"
+        self.device_name = str(mx.device_info().get("device_name") or self.device)
         total = psutil.virtual_memory().total
         if self.device == "metal":
             info = mx.device_info()
@@ -213,10 +214,19 @@ class MemoryState:
     model: CostModel
     weights_bytes: int
     baseline_bytes: int
+    # MLX's own active bytes at idle, beyond the weights (≤ baseline_bytes, which also
+    # holds what MLX never counts, e.g. a CUDA context): what allocations are measured from.
+    active_baseline_bytes: int | None = None
     reserved_bytes: int = 0
     worst_measured_over_predicted: float = 0.0
     last: Reading | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def idle_active_bytes(self) -> int:
+        """What MLX's allocator holds with nothing running: weights and its baseline."""
+        extra = self.baseline_bytes if self.active_baseline_bytes is None else self.active_baseline_bytes
+        return self.weights_bytes + extra
 
     def refresh(self) -> Reading:
         self.last = self.probe.read()
@@ -231,6 +241,7 @@ class MemoryState:
         r = self.refresh()
         return {
             "device": self.probe.device,
+            "device_name": getattr(self.probe, "device_name", self.probe.device),
             "limit_bytes": self.probe.limit_bytes,
             "budget_bytes": self.model.budget_bytes,
             "active_bytes": r.active_bytes,

@@ -22,7 +22,9 @@ from typing import Any
 import zmq
 
 from common import costmodel
+from common.curve import ClientKeys
 from common.errors import ProtocolError
+from common.log import about
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
     Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
@@ -58,10 +60,14 @@ class ServerOptions:
     vocab_size: int
     wedge_after_steps: int | None = None
     grow_scale_on_signal: float | None = None   # test hook: SIGUSR1 grows the scale by this
+    curve: ClientKeys | None = None     # CURVE keys for a tcp:// router
 
 
-def make_socket(ctx: zmq.Context, addr: str, identity: bytes) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, addr: str, identity: bytes,
+                curve: ClientKeys | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(sock)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -84,7 +90,7 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         opts = self._server.opts
-        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode())
+        sock = make_socket(self._ctx, opts.router_addr, f"w{opts.incarnation}-hb".encode(), opts.curve)
         try:
             while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
                 engine = self._server.engine
@@ -111,7 +117,7 @@ class WorkerServer:
         self.gate = MemoryGate(memory, fitted=memory.model, admission=opts.admission,
                                max_running=opts.max_running, now=clock())
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode())
+        self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
         self.stop_reason: str | None = None
         self.num_bad_frames = 0
@@ -216,8 +222,9 @@ class WorkerServer:
             self.admit(msg)
         elif isinstance(msg, Cancel):
             if self.engine.cancel(msg.request_id):
+                self.gate.rebase(self.view())  # its promise goes with it
                 self._changed = True
-                log.debug("cancelled %s", msg.request_id)
+                log.debug("cancelled", extra=about(msg.request_id))
         elif isinstance(msg, Shutdown):
             self.stop_reason = "asked by router" + (f": {msg.reason}" if msg.reason else "")
         elif isinstance(msg, Heartbeat):
@@ -230,26 +237,26 @@ class WorkerServer:
             decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
             if not decision.admit:
                 assert decision.reason is not None
-                log.debug("%s %s: %s (%d bytes)", decision.reason, msg.request_id, decision.message,
-                          decision.needed_bytes)
+                log.debug("%s: %s (%d bytes)", decision.reason, decision.message,
+                          decision.needed_bytes, extra=about(msg.request_id))
                 reject = self._reject(msg, decision.reason, decision.message, decision.needed_bytes)
         if reject is not None:
             self.send(reject)
             return
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                        temperature=msg.temperature, top_p=msg.top_p, seed=msg.seed,
-                        ignore_eos=msg.ignore_eos)
+                        sampling=msg.sampling)
         self.gate.reserve(decision)
         self._changed = True
-        log.debug("admitted %s: %d prompt tokens, max_tokens %d",
-                  msg.request_id, len(msg.prompt_ids), msg.max_tokens)
+        log.debug("admitted: %d prompt tokens, max_tokens %d", len(msg.prompt_ids), msg.max_tokens,
+                  extra=about(msg.request_id))
 
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
         n, vocab = len(msg.prompt_ids), self.opts.vocab_size
         if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running:
             return self._reject(msg, RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
-        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab:
+        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
+                or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
             return self._reject(msg, RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
         return None
 
@@ -272,7 +279,7 @@ class WorkerServer:
         running = list(self.engine.running)
         evicted = running[len(running) - action.evict:] if action.evict else []
         for request_id in evicted:
-            log.warning("evicting %s: memory taken by another process", request_id)
+            log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)
         if evicted:
             self.gate.rebase(self.view())
@@ -281,6 +288,9 @@ class WorkerServer:
 
     def step(self) -> list[Output]:
         if not self.engine.has_work or self._broken:
+            if self.memory.reserved_bytes and not self.engine.has_work:
+                self.gate.rebase(self.view())  # nothing runs: nothing is promised
+                self._changed = True
             return []
         self.memory.probe.reset_peak()
         view = self._size_chunk()
@@ -369,7 +379,12 @@ class WorkerServer:
         self.publish_status(force=True)
 
     def send_outputs(self, outputs: list[Output]) -> None:
-        rows = [[o.request_id, o.token_ids, o.finish_reason] for o in outputs]
+        rows = [[o.request_id, o.token_ids, o.finish_reason]
+                + ([o.logprobs] if o.logprobs is not None else []) for o in outputs]
+        if log.isEnabledFor(logging.DEBUG):
+            for o in outputs:
+                if o.finish_reason is not None:
+                    log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
         self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows))
 
     def publish_status(self, force: bool = False) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from common import costmodel
 from common.costmodel import CostModel
+from common.protocol import SamplingParams
 from worker.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,8 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
 def _prefill(engine: Engine, size: int, token: int, max_chunk: int, clock: Callable[[], float],
              report: WarmupReport) -> None:
     engine.set_prefill_step(size)
-    engine.add(f"warmup-p{size}", [token] * (size + 1), max_tokens=1, temperature=0.0,
-               top_p=1.0, seed=None, ignore_eos=True)
+    engine.add(f"warmup-p{size}", [token] * (size + 1), max_tokens=1,
+               sampling=SamplingParams(temperature=0.0, ignore_eos=True))
     while engine.has_work:
         t = clock()
         engine.step()
@@ -97,6 +98,7 @@ def _decode(engine: Engine, rows: int, token: int) -> None:
         # Greedy, plain sampling and seeded top-p: each sampler path the requests use.
         temperature, top_p, seed = ((0.0, 1.0, None), (0.8, 1.0, None), (0.7, 0.9, i))[i % 3]
         engine.add(f"warmup-d{rows}-{i}", [token + i % 7] * DECODE_PROMPT, max_tokens=DECODE_TOKENS,
-                   temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+                   sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                                           ignore_eos=True))
     while engine.has_work:
         engine.step()

@@ -14,6 +14,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -34,6 +35,7 @@ CHAT_MESSAGES = [{"role": "system", "content": "You are a terse assistant.\nAnsw
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[Router]:
     r = start_router(tmp_path_factory.mktemp("agent-apis"), cache_home, "--api-key", KEY)
+    r.http.headers["x-api-key"] = KEY  # /v1/memory is guarded too
     yield r
     r.stop()
 
@@ -147,7 +149,7 @@ def test_x_api_key_and_bearer_auth(router: Router, claude: anthropic.Anthropic) 
         wrong.messages.create(**hello)  # type: ignore[arg-type]
     assert info.value.status_code == 401
     assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
-    resp = router.http.post("/v1/messages/count_tokens", json=hello)
+    resp = router.http.post("/v1/messages/count_tokens", json=hello, headers={"x-api-key": "sk-no"})
     assert resp.status_code == 401 and resp.json()["type"] == "error"
 
 
@@ -214,3 +216,128 @@ def test_models_list_reads_in_both_clients(claude: anthropic.Anthropic, oai: ope
     [served] = list(claude.models.list())
     assert served.id == "demo" and served.type == "model"
     assert [m.id for m in oai.models.list()] == ["demo"]
+
+
+# -- tools and structured output (constrained by the worker's grammar: the demo model's
+# -- weights are random, so a valid call exists only because nothing else can be sampled) ---
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
+                {"name": "get_time", "input_schema": {"type": "object", "properties": {
+                    "tz": {"enum": ["utc", "cet"]}}, "required": ["tz"]}}]
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def test_messages_forced_tool_use_validates(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(model="m", max_tokens=200, messages=ASK,  # type: ignore[arg-type]
+                                     tools=CLAUDE_TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id  # type: ignore[union-attr]
+    jsonschema.validate(use.input, WEATHER)  # type: ignore[union-attr]
+
+
+def test_messages_tool_use_streams_as_input_json_delta(router: Router) -> None:
+    body = {"model": "m", "max_tokens": 200, "messages": ASK, "tools": CLAUDE_TOOLS,
+            "tool_choice": {"type": "any"}, "stream": True}
+    with router.http.stream("POST", "/v1/messages", json=body, headers={"x-api-key": KEY}) as resp:
+        events = sse_events(resp.iter_lines())
+    starts = {d["index"]: d["content_block"] for n, d in events if n == "content_block_start"}
+    [(index, block)] = [(i, b) for i, b in starts.items() if b["type"] == "tool_use"]
+    partial = "".join(d["delta"]["partial_json"] for n, d in events
+                      if n == "content_block_delta" and d["index"] == index)
+    tool = {t["name"]: t["input_schema"] for t in CLAUDE_TOOLS}[block["name"]]
+    jsonschema.validate(json.loads(partial), tool)
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_messages_tool_result_turn(claude: anthropic.Anthropic) -> None:
+    history = [*ASK,
+               {"role": "assistant", "content": [
+                   {"type": "text", "text": "Checking."},
+                   {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                    "input": {"city": "Oslo", "unit": "c"}}]},
+               {"role": "user", "content": [
+                   {"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C, snow"}]}]
+    message = claude.messages.create(model="m", max_tokens=8, messages=history,  # type: ignore[arg-type]
+                                     tools=CLAUDE_TOOLS, extra_body=GREEDY)
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    counted = claude.messages.count_tokens(model="m", messages=history, tools=CLAUDE_TOOLS)  # type: ignore[arg-type]
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_messages_structured_output(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(model="m", max_tokens=100, messages=ASK,  # type: ignore[arg-type]
+                                     output_config={"format": {"type": "json_schema", "schema": PERSON}})
+    jsonschema.validate(json.loads(message.content[0].text), PERSON)  # type: ignore[union-attr]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER,
+                    "description": "Weather in a city", "strict": True}]
+
+
+def test_responses_forced_function_call_validates(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(model="m", input="Weather in Oslo?", tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=200)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)  # type: ignore[union-attr]
+    stream = oai.responses.create(model="m", input="Weather in Oslo?", tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+                                  tool_choice="required", max_output_tokens=200, stream=True)
+    events = list(stream)
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")  # type: ignore[union-attr]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments == done.arguments  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    assert events[-1].type == "response.completed"
+
+
+def test_responses_function_call_output_turn(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(model="m", tools=RESPONSES_TOOLS, max_output_tokens=8,  # type: ignore[arg-type]
+                                    temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo", "unit": "c"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "-3 C, snow"}])
+    assert response.status in ("completed", "incomplete") and response.usage is not None
+    assert response.usage.input_tokens > 0
+
+
+def test_responses_text_format_json_schema(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(model="m", input="A person, please.", max_output_tokens=100,
+                                    text={"format": {"type": "json_schema", "name": "person",  # type: ignore[typeddict-item]
+                                                     "schema": PERSON, "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+# -- what the agents send --------------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_a_claude_code_request_is_served(router: Router) -> None:
+    body = json.loads((FIXTURES / "claude_code_messages.json").read_text())
+    body["max_tokens"] = 64  # Claude Code asks for 32000; the demo model's context is 4096
+    resp = post(router, "/v1/messages/count_tokens", body)
+    assert resp.status_code == 200, resp.text
+    with router.http.stream("POST", "/v1/messages?beta=true", json=body,
+                            headers={"x-api-key": KEY, "anthropic-version": "2023-06-01",
+                                     "anthropic-beta": "claude-code-20250219"}) as stream:
+        assert stream.status_code == 200, stream.read()
+        events = sse_events(stream.iter_lines())
+    assert events[0][1]["message"]["usage"]["input_tokens"] == resp.json()["input_tokens"]
+    assert [name for name, _ in events][-1] == "message_stop"
+
+
+def test_a_codex_request_is_served(oai: openai.OpenAI) -> None:
+    body = json.loads((FIXTURES / "codex_responses.json").read_text())
+    events = list(oai.responses.create(**{**body, "max_output_tokens": 64}))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.input_tokens > 500  # type: ignore[union-attr]

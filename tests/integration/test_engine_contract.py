@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 from mlx_lm.generate import BatchGenerator
 
+from common.protocol import SamplingParams
 from worker.engine import Engine
 from worker.loader import load_model
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def test_generator_signature_we_call() -> None:
     for name in ("stop_tokens", "completion_batch_size", "prefill_batch_size", "prefill_step_size"):
         assert name in params, name
     insert = inspect.signature(BatchGenerator.insert).parameters
-    for name in ("prompts", "max_tokens", "samplers", "stop_sequences"):
+    for name in ("prompts", "max_tokens", "samplers", "logits_processors", "stop_sequences"):
         assert name in insert, name
     assert "uids" in inspect.signature(BatchGenerator.remove).parameters
 
@@ -44,8 +47,7 @@ def test_public_surface_we_read(engine: Engine) -> None:
 
 def test_chunk_size_is_read_at_every_step(engine: Engine) -> None:
     engine.set_prefill_step(16)
-    engine.add("chunked", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)
+    engine.add("chunked", list(range(3, 103)), max_tokens=2, sampling=GREEDY)
     engine.step()
     assert engine.last_prefilled_tokens == 16  # one chunk of the new size
     engine.set_prefill_step(32)
@@ -65,8 +67,7 @@ def test_the_prefill_mirror_matches_the_generators_choice(engine: Engine) -> Non
     engine.set_prefill_step(16)
     try:
         for i, length in enumerate([40, 5, 70, 1, 30, 20, 90, 12]):
-            engine.add(f"m{i}", [3 + i] * length, max_tokens=6, temperature=0, top_p=1, seed=None,
-                       ignore_eos=True)
+            engine.add(f"m{i}", [3 + i] * length, max_tokens=6, sampling=GREEDY)
         seen: list[Any] = []
         real_next = g.next
 
@@ -94,10 +95,9 @@ def test_the_prefill_mirror_matches_the_generators_choice(engine: Engine) -> Non
 def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:
     assert engine.longest_prefill_left() == 0
     engine.set_prefill_step(16)
-    engine.add("long", list(range(3, 103)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)  # 100 tokens: 99 to prefill, the last fed when decoding
-    engine.add("short", list(range(3, 13)), max_tokens=2, temperature=0, top_p=1, seed=None,
-               ignore_eos=True)
+    # 100 tokens: 99 to prefill, the last fed when decoding
+    engine.add("long", list(range(3, 103)), max_tokens=2, sampling=GREEDY)
+    engine.add("short", list(range(3, 13)), max_tokens=2, sampling=GREEDY)
     assert engine.longest_prefill_left() == 99  # waiting rows count whole
     engine.step()
     assert engine.longest_prefill_left() == 99 - 16  # the short one is done with its 9
@@ -110,8 +110,8 @@ def test_longest_prefill_left_follows_the_prompts(engine: Engine) -> None:
 
 def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
     engine.set_prefill_step(64)
-    engine.add("keep", [5] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
-    engine.add("drop", [6] * 10, max_tokens=50, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    engine.add("keep", [5] * 10, max_tokens=50, sampling=GREEDY)
+    engine.add("drop", [6] * 10, max_tokens=50, sampling=GREEDY)
     for _ in range(4):
         engine.step()
     uid = engine.running["drop"].uid
@@ -127,7 +127,7 @@ def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
 
 
 def test_finished_requests_leave_nothing_behind(engine: Engine) -> None:
-    engine.add("short", [7] * 8, max_tokens=3, temperature=0, top_p=1, seed=None, ignore_eos=True)
+    engine.add("short", [7] * 8, max_tokens=3, sampling=GREEDY)
     finished = []
     while engine.has_work:
         finished += [o for o in engine.step() if o.finish_reason]

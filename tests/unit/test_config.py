@@ -91,7 +91,7 @@ def test_router_precedence(case: tuple[Any, ...], env: dict[str, str], tmp_path:
 
 @pytest.mark.parametrize("case", WORKER_CASES, ids=lambda c: c[0])
 def test_worker_precedence(case: tuple[Any, ...], env: dict[str, str], tmp_path: Path) -> None:
-    required = ["--model", "m", "--router", "tcp://127.0.0.1:1"]
+    required = ["--model", "m", "--router", "ipc:///tmp/w.sock"]
     assert layered(WorkerConfig, "worker", required, case, env, tmp_path) == list(case[4])
 
 
@@ -339,8 +339,25 @@ def test_nan_timeouts_are_refused(flag: str, env: dict[str, str]) -> None:
 
 
 def test_external_mode_with_addr(env: dict[str, str]) -> None:
-    cfg = load_router(["--model", "m", "--worker-mode", "external", "--worker-addr", "tcp://*:5555"], env)
+    cfg = load_router(["--model", "m", "--worker-mode", "external", "--worker-addr",
+                       "tcp://*:5555", "--curve-secret-key", "k", "--curve-authorized-keys", "d"], env)
     assert (cfg.worker_mode, cfg.worker_addr) == ("external", "tcp://*:5555")
+
+
+def test_tcp_needs_curve_on_both_sides(env: dict[str, str]) -> None:
+    message = error_of(lambda: load_router(["--model", "m", "--worker-addr", "tcp://*:5555"], env))
+    assert "CURVE" in message and "--curve-secret-key" in message
+    message = error_of(lambda: load_worker(["--model", "m", "--router", "tcp://h:5555"], env))
+    assert "CURVE" in message and "--curve-server-key" in message
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-messages", "0"), ("--max-tools", "-1"), ("--max-schema-bytes", "0"),
+    ("--max-header-bytes", "0"), ("--stream-buffer-bytes", "0"), ("--max-prompt-tokens", "0"),
+    ("--max-tokens-limit", "-5"), ("--request-timeout", "nan"), ("--idle-timeout", "0"),
+    ("--slow-reader-timeout", "-1"), ("--api-key", " ")])
+def test_limits_must_be_positive(flag: str, value: str, env: dict[str, str]) -> None:
+    assert flag in error_of(lambda: load_router(["--model", "m", flag, value], env))
 
 
 def test_model_is_required(env: dict[str, str]) -> None:

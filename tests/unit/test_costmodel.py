@@ -153,16 +153,18 @@ def test_growth_spike_is_one_layers_old_cache() -> None:
 def test_request_cost_on_idle_worker() -> None:
     m = make_model()
     prompt, out = 1000, 100
+    # The smallest chunk an idle worker would prefill in: it never refuses a prompt that
+    # fits in small chunks.
     assert request_cost_bytes(m, prompt, out) == (
         roundup(prompt + out) * m.kv_bytes_per_token
-        + prefill_transient_bytes(m, m.prefill_step_tokens, prompt)
+        + prefill_transient_bytes(m, MIN_CHUNK_TOKENS, prompt)
         + growth_spike_bytes(m, 1, prompt + out))
 
 
 def test_request_cost_equals_a_batch_of_one() -> None:
     m = make_model()
     for prompt, out in [(1, 1), (100, 50), (600, 1000)]:
-        chunk = min(prompt, m.prefill_step_tokens)
+        chunk = min(prompt, MIN_CHUNK_TOKENS)
         assert request_cost_bytes(m, prompt, out) == batch_cost_bytes(
             m, 1, prompt + out, chunk, 1, prompt)
 
@@ -285,7 +287,9 @@ def test_fits_now_idle_worker() -> None:
     m = make_model()
     fits, worst = fits_now(m, [], 1000, 100, 0, m.budget_bytes)
     assert fits
-    assert worst == request_cost_bytes(m, 1000, 100)
+    # With room, the full chunk; the idle cost is the floor it never goes below.
+    assert worst == batch_cost_bytes(m, 1, 1100, m.prefill_step_tokens, 1, 1000)
+    assert worst >= request_cost_bytes(m, 1000, 100)
 
 
 def test_fits_now_refuses_over_budget_even_with_free_memory() -> None:
@@ -303,7 +307,13 @@ def test_fits_now_free_bytes_limits_the_increment() -> None:
     _, new = fits_now(m, running, 100, 100, 0, 1 << 50)
     increment = new - old
     assert fits_now(m, running, 100, 100, 0, increment) == (True, new)
-    assert fits_now(m, running, 100, 100, 0, increment - 1) == (False, new)
+    # Less room: the chunk shrinks instead of the request waiting...
+    fits, smaller = fits_now(m, running, 100, 100, 0, increment - 1)
+    assert fits and smaller < new
+    # ...down to the smallest chunk; below that, it waits.
+    least = batch_cost_bytes(m, 3, 2000, MIN_CHUNK_TOKENS, 1, 2000) - old
+    assert fits_now(m, running, 100, 100, 0, least)[0]
+    assert not fits_now(m, running, 100, 100, 0, least - 1)[0]
 
 
 def test_fits_now_pads_a_short_request_to_the_longest_running() -> None:

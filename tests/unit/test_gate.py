@@ -116,11 +116,18 @@ def test_reservations_are_released_on_finish_and_cancel() -> None:
 # -- chunk and pressure -------------------------------------------------------------------
 
 
-def test_the_chunk_leaves_the_fixed_term_aside_and_never_exceeds_the_pace() -> None:
-    gate, _ = make_gate(make_model(budget_bytes=8 * MIB, prefill_b_bytes=4 * MIB, prefill_c_bytes=0.0))
-    chunk = gate.chunk(view(1000, prefilling=1), paced=512)
-    assert chunk == int((4 * MIB) // 20_000)
-    assert gate.chunk(view(1000, prefilling=1), paced=16) == 16
+def test_the_chunk_is_the_largest_whose_step_fits_beside_the_cache() -> None:
+    gate, _ = make_gate(make_model(kv_bytes_per_token=1024, budget_bytes=12 * MIB,
+                                   prefill_b_bytes=4 * MIB, prefill_c_bytes=0.0))
+    v = view(1000, prefilling=1)
+    chunk = gate.chunk(v, paced=512)
+
+    def cost(n: int) -> int:
+        return costmodel.batch_cost_bytes(gate.model, 1, 1000, n, 1, 1000)
+
+    assert 32 < chunk < 512
+    assert cost(chunk) <= gate.model.budget_bytes < cost(chunk + 1)
+    assert gate.chunk(v, paced=16) == 16  # never above the pace
 
 
 def test_pressure_stops_admitting_then_evicts_only_if_needed() -> None:

@@ -16,7 +16,8 @@ from common import protocol
 from common.errors import HeadroomError, ProtocolError
 from common.protocol import (
     MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, ExitCode, FinishReason, Generate,
-    Heartbeat, Hello, Reject, RejectReason, Shutdown, Status, Tokens, decode, encode,
+    Heartbeat, Hello, Reject, RejectReason, SamplingParams, Shutdown, Status, Tokens, decode,
+    encode,
 )
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,9 +29,15 @@ EXAMPLES: list[Any] = [
           tokenizer_path="/tmp/tok", eos_token_ids=[0, 2], admission=True,
           cost_model={"kv_bytes_per_token": 1024, "prefill_a_bytes": 1.5, "nested": {"x": [1]}}),
     Generate(incarnation=7, request_id="r1", prompt_ids=[1, 2, 3], max_tokens=16,
-             temperature=0.7, top_p=0.9, seed=42, ignore_eos=True, reservation_bytes=1 << 20),
+             sampling=SamplingParams(
+                 temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                 repetition_context_size=64, presence_penalty=0.5, presence_context_size=30,
+                 frequency_penalty=-0.5, frequency_context_size=40, logit_bias=[[5, 100.0]],
+                 seed=2**64 - 1, ignore_eos=True, num_logprobs=3, grammar='{"grammars": []}'),
+             reservation_bytes=1 << 20),
     Cancel(incarnation=7, request_id="r1"),
-    Tokens(incarnation=7, step=9, outputs=[["r1", [5, 6], None], ["r2", [7], "stop"]]),
+    Tokens(incarnation=7, step=9, outputs=[["r1", [5, 6], None], ["r2", [7], "stop"],
+                                           ["r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]]]]),
     Reject(incarnation=7, request_id="r1", reason=RejectReason.NOT_NOW.value, message="later",
            needed_bytes=10, max_request_tokens=100),
     Status(incarnation=7, report={"budget_bytes": 1 << 30, "running": 2, "device": "cpu"}),
@@ -94,11 +101,12 @@ def test_defaults_survive_round_trip() -> None:
     msg = Generate(incarnation=1, request_id="r", prompt_ids=[1], max_tokens=1)
     out = decode(encode(msg))
     assert out == msg
-    assert out.seed is None and out.reservation_bytes == 0
+    assert out.sampling.seed is None and out.reservation_bytes == 0
 
 
 # Values msgpack carries without changing them (lists, not tuples; str keys; no NaN).
 INT64 = st.integers(-(2**63), 2**63 - 1)
+UINT64 = st.integers(0, 2**64 - 1)
 scalars = st.one_of(st.none(), st.booleans(), INT64, st.floats(allow_nan=False),
                     st.text(max_size=12), st.binary(max_size=12))
 any_values = st.recursive(
@@ -116,9 +124,14 @@ message_strategies = st.one_of(
               tokenizer_path=text, eos_token_ids=ids, admission=st.booleans(),
               cost_model=st.dictionaries(st.text(max_size=8), any_values, max_size=5)),
     st.builds(Generate, incarnation=INT64, request_id=text, prompt_ids=ids, max_tokens=INT64,
-              temperature=st.floats(allow_nan=False) | INT64,
-              top_p=st.floats(allow_nan=False), seed=st.none() | INT64,
-              ignore_eos=st.booleans(), reservation_bytes=INT64),
+              sampling=st.builds(
+                  SamplingParams, temperature=st.floats(allow_nan=False) | INT64,
+                  top_p=st.floats(allow_nan=False), top_k=INT64, seed=st.none() | UINT64,
+                  logit_bias=st.lists(st.tuples(st.integers(0, 2**20), st.floats(-100, 100))
+                                      .map(list), max_size=4),
+                  ignore_eos=st.booleans(), num_logprobs=st.none() | st.integers(0, 20),
+                  grammar=st.none() | text),
+              reservation_bytes=INT64),
     st.builds(Cancel, incarnation=INT64, request_id=text),
     st.builds(Tokens, incarnation=INT64, step=INT64,
               outputs=st.lists(st.tuples(text, ids, st.sampled_from([None, *FinishReason]))
@@ -317,7 +330,7 @@ def wrong_values(hint: Any) -> list[Any]:
         (arg,) = typing.get_args(base)
         inner = {int: ["1", True, 1.5, None, [1]]}.get(arg, [1, "x", None])
         return ["123", {"a": 1}, *none] + [[1, bad] for bad in inner]
-    if origin is dict or typing.get_origin(base) is dict:
+    if origin is dict or typing.get_origin(base) is dict or dataclasses.is_dataclass(base):
         return [[1], "x", 1, *none]
     raise AssertionError(f"no wrong values for {hint!r}")
 
@@ -343,6 +356,21 @@ def test_wrong_field_type(msg: Any, name: str, bad: Any) -> None:
         decode(pack(body))
 
 
+SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    (f.name, bad) for f in dataclasses.fields(SamplingParams)
+    for bad in wrong_values(SAMPLING_HINTS[f.name])
+    if not (f.name == "logit_bias" and bad == [1, 1])  # an int is a valid inner float
+], ids=repr)
+def test_wrong_sampling_field_type(name: str, bad: Any) -> None:
+    body = body_of(EXAMPLES[1])
+    body["sampling"][name] = bad
+    with pytest.raises(ProtocolError, match=f"sampling.{name}"):
+        decode(pack(body))
+
+
 @pytest.mark.parametrize("bad", [["1"], [True], [1, "2"], [1, False], [1.0]])
 def test_prompt_ids_must_be_ints(bad: list[Any]) -> None:
     body = body_of(EXAMPLES[1])
@@ -360,14 +388,23 @@ def test_incarnation_as_str_is_refused() -> None:
 
 def test_seed_may_be_none() -> None:
     body = body_of(EXAMPLES[1])
-    body["seed"] = None
-    assert decode(pack(body)).seed is None
+    body["sampling"]["seed"] = None
+    assert decode(pack(body)).sampling.seed is None
 
 
 def test_float_fields_accept_ints() -> None:
     body = body_of(EXAMPLES[1])
-    body["temperature"] = 1
-    assert decode(pack(body)).temperature == 1
+    body["sampling"]["temperature"] = 1
+    assert decode(pack(body)).sampling.temperature == 1
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "x", {"temperature": "hot"}, {"logit_bias": {"5": 1}},
+                                 {"seed": 1.5}])
+def test_bad_sampling_payload_is_a_protocol_error(bad: Any) -> None:
+    body = body_of(EXAMPLES[1])
+    body["sampling"] = bad
+    with pytest.raises(ProtocolError, match="sampling"):
+        decode(pack(body))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.type)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import BadRequest
+from common.protocol import SamplingParams
 from router.job import Sampling
 from router.schema import MAX_STOPS, NEUTRAL, parse_chat, parse_completion
 
@@ -48,9 +49,9 @@ def test_body_must_be_an_object(parse: Any, body: Any) -> None:
 def test_completion_defaults() -> None:
     parsed = parse_completion({"prompt": "hello"}, DEFAULT_MAX)
     assert parsed.kind == "completion"
-    assert parsed.prompt_text == "hello" and parsed.prompt_ids is None and parsed.messages is None
-    assert parsed.sampling == Sampling(max_tokens=DEFAULT_MAX, temperature=1.0, top_p=1.0,
-                                       seed=None, ignore_eos=False)
+    assert parsed.prompts == ["hello"] and parsed.messages is None
+    assert parsed.sampling == Sampling(max_tokens=DEFAULT_MAX, params=SamplingParams(temperature=1.0))
+    assert parsed.n == 1 and parsed.num_choices == 1
     assert parsed.stream is False and parsed.include_usage is False
     assert parsed.stop == [] and parsed.model == ""
 
@@ -60,7 +61,7 @@ def test_chat_defaults() -> None:
     assert parsed.kind == "chat"
     assert parsed.messages == [{"role": "user", "content": "hi"}]
     assert parsed.sampling.max_tokens == 7
-    assert parsed.prompt_text is None and parsed.prompt_ids is None
+    assert parsed.prompts is None
 
 
 def test_model_is_echoed() -> None:
@@ -73,20 +74,23 @@ def test_model_must_be_a_string(parse: Any, make: Any, model: Any) -> None:
     assert refused(parse, make(model=model)).param == "model"
 
 
-@pytest.mark.parametrize(("prompt", "text", "ids"), [
-    ("abc", "abc", None),
-    ([1, 2, 3], None, [1, 2, 3]),
-    (["abc"], "abc", None),
-    ([[4, 5]], None, [4, 5]),
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("abc", ["abc"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    (["abc"], ["abc"]),
+    ([[4, 5]], [[4, 5]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1], "b", [2, 3]], [[1], "b", [2, 3]]),
 ])
-def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> None:
-    parsed = parse_completion({"prompt": prompt}, DEFAULT_MAX)
-    assert (parsed.prompt_text, parsed.prompt_ids) == (text, ids)
+def test_completion_prompt_forms(prompt: Any, prompts: list[Any]) -> None:
+    parsed = parse_completion({"prompt": prompt}, DEFAULT_MAX, 3)
+    assert parsed.prompts == prompts
+    assert parse_completion({"prompt": prompt, "n": 3}, DEFAULT_MAX, 3).num_choices == 3 * len(prompts)
 
 
 @pytest.mark.parametrize("prompt", [
     None, 1, 1.5, True, {"a": 1}, "", [], [""], [1, "a"], [True], [1, True], [1.5], [[]],
-    ["a", "b"], [[1], [2]], [None],
+    ["a", ""], [[1], []], [None], ["a"] * 65,
 ])
 def test_completion_prompt_types(prompt: Any) -> None:
     body = {"prompt": prompt} if prompt is not None else {}
@@ -179,7 +183,7 @@ def test_temperature_range(parse: Any, make: Any, value: Any) -> None:
 @pytest.mark.parametrize("value", [0, 0.0, 1, 2, 2.0])
 def test_temperature_accepted(parse: Any, make: Any, value: Any) -> None:
     sampling = parse(make(temperature=value), DEFAULT_MAX).sampling
-    assert sampling.temperature == value and isinstance(sampling.temperature, float)
+    assert sampling.params.temperature == value and isinstance(sampling.params.temperature, float)
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.01, "0.9", False, float("nan")])
@@ -191,7 +195,7 @@ def test_top_p_range(parse: Any, make: Any, value: Any) -> None:
 @BOTH
 @pytest.mark.parametrize("value", [0.01, 0.5, 1, 1.0, None])
 def test_top_p_accepted(parse: Any, make: Any, value: Any) -> None:
-    assert parse(make(top_p=value), DEFAULT_MAX).sampling.top_p == (1.0 if value is None else value)
+    assert parse(make(top_p=value), DEFAULT_MAX).sampling.params.top_p == (1.0 if value is None else value)
 
 
 @BOTH
@@ -202,21 +206,28 @@ def test_seed_must_be_an_int(parse: Any, make: Any, value: Any) -> None:
 
 @BOTH
 @pytest.mark.parametrize("value", [0, 42, -1, 2**64 - 1, -(2**63)])
-def test_seed_fits_63_bits(parse: Any, make: Any, value: int) -> None:
-    seed = parse(make(seed=value), DEFAULT_MAX).sampling.seed
-    assert seed is not None and 0 <= seed < 2**63
+def test_seed_keeps_all_64_bits(parse: Any, make: Any, value: int) -> None:
+    seed = parse(make(seed=value), DEFAULT_MAX).sampling.params.seed
+    assert seed == value % 2**64
 
 
 @BOTH
-@pytest.mark.parametrize("n", [0, 2, "1", 1.0, True])
-def test_only_n_1(parse: Any, make: Any, n: Any) -> None:
-    assert refused(parse, make(n=n)).param == "n"
+@pytest.mark.parametrize("n", [0, 5, "1", 1.0, True, -1])
+def test_n_within_max_n(parse: Any, make: Any, n: Any) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse(make(n=n), DEFAULT_MAX, 4)
+    assert info.value.param == "n" and "--max-n" in info.value.message
 
 
 @BOTH
-def test_n_1_accepted(parse: Any, make: Any) -> None:
-    parse(make(n=1), DEFAULT_MAX)
-    parse(make(n=None), DEFAULT_MAX)
+@pytest.mark.parametrize("n", [None, 1, 4])
+def test_n_accepted(parse: Any, make: Any, n: Any) -> None:
+    assert parse(make(n=n), DEFAULT_MAX, 4).n == (n or 1)
+
+
+@BOTH
+def test_n_above_1_refused_by_default(parse: Any, make: Any) -> None:
+    assert refused(parse, make(n=2)).param == "n"
 
 
 # -- stop, stream --------------------------------------------------------------------
@@ -249,6 +260,14 @@ def test_stream_and_usage(parse: Any, make: Any) -> None:
     parsed = parse(make(stream=True, stream_options={}), DEFAULT_MAX)
     assert parsed.include_usage is False
     assert parse(make(stream=None, stream_options=None), DEFAULT_MAX).stream is False
+    assert parse(make(stream=False, stream_options=None), DEFAULT_MAX).stream is False
+
+
+@BOTH
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_need_stream(parse: Any, make: Any, stream: Any) -> None:
+    err = refused(parse, make(stream=stream, stream_options={"include_usage": True}))
+    assert err.param == "stream_options"
 
 
 @BOTH
@@ -273,22 +292,15 @@ def test_ignore_eos_must_be_a_bool(parse: Any, make: Any, value: Any) -> None:
 # -- known-but-unsupported parameters ------------------------------------------------
 
 NEUTRAL_VALUES = {
-    "presence_penalty": [None, 0, 0.0], "frequency_penalty": [None, 0, 0.0],
-    "repetition_penalty": [None, 1, 1.0], "logit_bias": [None, {}], "logprobs": [None, False],
-    "top_logprobs": [None, 0], "echo": [None, False], "best_of": [None, 1], "suffix": [None, ""],
-    "tools": [None, []], "functions": [None, []], "tool_choice": [None, "none", "auto"],
-    "function_call": [None, "none", "auto"], "response_format": [None, {"type": "text"}],
-    "top_k": [None, 0, -1], "min_p": [None, 0, 0.0], "modalities": [None, ["text"]],
+    "echo": [None, False], "best_of": [None, 1], "suffix": [None, ""],
+    "functions": [None, []], "function_call": [None, "none", "auto"],
+    "modalities": [None, ["text"]],
     "audio": [None], "prediction": [None],
 }
 NON_NEUTRAL_VALUES = {
-    "presence_penalty": [0.5, -1], "frequency_penalty": [0.1], "repetition_penalty": [1.1, 0],
-    "logit_bias": [{"50256": -100}], "logprobs": [True, 5], "top_logprobs": [3],
     "echo": [True], "best_of": [2], "suffix": ["end"],
-    "tools": [[{"type": "function", "function": {"name": "f"}}]], "functions": [[{"name": "f"}]],
-    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
-    "function_call": [{"name": "f"}], "response_format": [{"type": "json_object"}],
-    "top_k": [40], "min_p": [0.05], "modalities": [["text", "audio"]],
+    "functions": [[{"name": "f"}]], "function_call": [{"name": "f"}],
+    "modalities": [["text", "audio"]],
     "audio": [{"voice": "alloy"}], "prediction": [{"type": "content", "content": "x"}],
 }
 
@@ -326,7 +338,9 @@ json_values = st.recursive(
 )
 keys = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
                         "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options",
-                        "ignore_eos", *NEUTRAL])
+                        "ignore_eos", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+                        "repetition_context_size", *NEUTRAL])
 
 
 @settings(max_examples=200, deadline=None)
@@ -337,3 +351,75 @@ def test_arbitrary_json_raises_only_bad_request(parse: Any, body: Any) -> None:
         parse(body, DEFAULT_MAX)
     except BadRequest:
         pass
+
+
+# -- tools, tool choice, response format ---------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                            "parameters": {"type": "object"}}}
+
+
+def test_tools_and_choice() -> None:
+    parsed = parse_chat(chat(tools=[WEATHER]), DEFAULT_MAX)
+    assert [t.name for t in parsed.tools] == ["get_weather"] and parsed.tool_choice.mode == "auto"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    parsed = parse_chat(chat(tools=[WEATHER], tool_choice=named), DEFAULT_MAX)
+    assert (parsed.tool_choice.mode, parsed.tool_choice.name) == ("function", "get_weather")
+    assert parse_chat(chat(tools=[WEATHER], tool_choice="required"), DEFAULT_MAX).tool_choice.is_forced
+    assert parse_chat(chat(), DEFAULT_MAX).tool_choice.mode == "none"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": "x"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"separate_reasoning": "no"}, "separate_reasoning"),
+])
+def test_bad_tool_fields(fields: dict[str, Any], param: str) -> None:
+    assert refused(parse_chat, chat(**fields)).param == param
+
+
+@pytest.mark.parametrize(("value", "kind"), [
+    (None, None), ({"type": "text"}, None), ({"type": "json_object"}, "json_object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                             "strict": True}}, "json_schema"),
+])
+def test_response_format(value: Any, kind: str | None) -> None:
+    rf = parse_chat(chat(response_format=value), DEFAULT_MAX).response_format
+    assert (rf.kind if rf else None) == kind
+
+
+def test_assistant_tool_calls_and_tool_messages_in_history() -> None:
+    messages = [USER[0],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    parsed = parse_chat({"messages": messages}, DEFAULT_MAX)
+    assert parsed.messages is not None
+    assert parsed.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                               "arguments": {"city": "Paris"}}
+    assert parsed.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_tool_call_arguments_must_be_json() -> None:
+    bad = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
+    assert refused(parse_chat, {"messages": [USER[0], bad]}).param == "messages[1].tool_calls"
+
+
+@pytest.mark.parametrize("role", [[], {}, ["user"], {"a": 1}])
+def test_an_unhashable_role_is_a_400_not_a_crash(role: Any) -> None:
+    """Found by the schemathesis run: ``[] in frozenset`` raises TypeError."""
+    with pytest.raises(BadRequest) as info:
+        parse_chat({"messages": [{"role": role, "content": "hi"}]}, 8)
+    assert info.value.param == "messages[0].role"

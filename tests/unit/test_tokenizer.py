@@ -439,3 +439,92 @@ def test_router_tokenizer_never_imports_mlx(chatml_dir: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
 
+
+
+# -- tools, template kwargs, markers, token bytes -------------------------------------
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for tc in m.get('tool_calls') or [] %} CALL {{ tc['function']['arguments'] | tojson }}"
+    "{% endfor %}\n{% endfor %}assistant:{% if enable_thinking %}<think>{% endif %}</think>"
+)
+
+
+def test_tools_and_template_kwargs_reach_the_template(make_tokenizer: Callable[..., RouterTokenizer]) -> None:
+    t = make_tokenizer({"eos_token": "<|im_end|>", "chat_template": TOOLS_TEMPLATE})
+    assert t.can_take_tools and t.think_markers == ("<think>", "</think>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]
+    text = t.render_chat(messages, tools, {"enable_thinking": True, "messages": "ignored"})
+    # (trim_blocks drops the newline after each block tag, as in transformers)
+    assert text == 'TOOLS:f;user: hiassistant:  CALL {"a": 1}assistant:<think></think>'
+    assert t.render_chat(messages[:1]) == "user: hiassistant:</think>"
+    assert t.encode_chat(messages[:1]) == t.encode_rendered(t.render_chat(messages[:1]))
+
+
+def test_a_template_without_tools(tok: RouterTokenizer) -> None:
+    assert not tok.can_take_tools and tok.think_markers is None
+
+
+def test_special_markers_kept_only_when_asked(tok: RouterTokenizer) -> None:
+    im_end = tok.special_token_id("<|im_end|>")
+    assert im_end is not None and tok.special_token_id("hello") is None
+    ids = tok.encode("ab") + [im_end]
+    plain, keeping = tok.make_detokenizer(), tok.make_detokenizer(keep=["<|im_end|>"])
+    assert plain.add(ids) + plain.flush() == "ab"
+    assert keeping.add(ids) + keeping.flush() == "ab<|im_end|>"
+
+
+def test_token_bytes_add_up_to_the_text(tok: RouterTokenizer) -> None:
+    text = "café 🚀 ok"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+
+
+@pytest.mark.parametrize("template", MALICIOUS)
+def test_transformers_apply_chat_template_is_sandboxed_too(
+    chatml_dir: Path, tmp_path: Path, template: str
+) -> None:
+    """The other renderer in reach (mlx-lm's TokenizerWrapper delegates to it) also refuses."""
+    import jinja2
+    from transformers import AutoTokenizer
+
+    marker = tmp_path / "pwned"
+    hf = AutoTokenizer.from_pretrained(str(chatml_dir), local_files_only=True)
+    try:
+        out = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                     chat_template=template.replace("{marker}", str(marker)))
+    except jinja2.exceptions.TemplateError:  # SecurityError among them
+        out = ""
+    assert "<class" not in out and "<function" not in out and "<module" not in out, out
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("template", [
+    "{% include '/etc/passwd' %}", "{% import '/etc/passwd' as p %}",
+    "{% extends '/etc/passwd' %}", "{% for i in range(10**9) %}x{% endfor %}",
+])
+def test_templates_cannot_read_files_or_loop_without_bound(
+    make_tokenizer: Callable[..., RouterTokenizer], template: str
+) -> None:
+    tok = make_tokenizer({"eos_token": "<|im_end|>", "chat_template": template})
+    with pytest.raises(BadRequest) as info:
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert "root:" not in info.value.message
+
+
+def test_remote_code_in_a_model_folder_does_not_run(byte_level_json: Path, tmp_path: Path) -> None:
+    """A folder's own tokenizer class (auto_map) runs only with --trust-remote-code."""
+    marker = tmp_path / "pwned"
+    folder = write_folder(tmp_path / "m", byte_level_json, {
+        "eos_token": "<|im_end|>", "tokenizer_class": "EvilTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}})
+    (folder / "tokenization_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    with pytest.raises(ConfigError):
+        RouterTokenizer.load(folder)
+    assert not marker.exists()

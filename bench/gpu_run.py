@@ -1,0 +1,401 @@
+"""`python -m bench.gpu_run PART...`: issue 10's figures on a GPU, one piece per argument.
+
+Run on the lent H200 through `bench/gpu_run.sh` (which installs the carried wheels first);
+see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the order given:
+
+- info:   MLX's device and `mx.device_info()`, what worker/devices.py's probe reads, NVML's
+          view, and whether 2 GiB allocated through MLX shows in the GPU's free memory.
+- build:  the Llama-3-8B-shaped 4-bit model (bench/gpumodel.py) into --model-dir, unless
+          it is already there; the build's timings.
+- ttft:   a fresh router (limit = weights + --budget-mb): time to healthy, then the time to
+          first token of the first short request vs the second, a 1024-token prompt twice,
+          and two batches of 8 (a fresh worker compiles kernels for each new shape).
+- memory: a tight limit (weights + --tight-budget-mb, --oom-guard abort): a burst of
+          --burst requests of ~--burst-prompt-tokens + --burst-max-tokens, all at once;
+          every status and error code, restarts and the worker pid before and after,
+          peak_bytes vs limit_bytes, and /v1/memory every --snapshot-s.
+- serve:  `python -m bench serve --model DIR` (headroom vs mlx_lm.server vs in-process) with
+          the limit set; arguments after `--` go to it (e.g. `-- --concurrency 1,8`).
+
+Each part writes `<out>/<part>.json`; server logs are appended to `<out>/logs.txt`. Every
+wait is bounded; every router gets --memory-limit-mb. Model files stay out of --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.client import one_request, request_body
+from bench.prompts import Prompt, make_prompts
+
+log = logging.getLogger("bench.gpu_run")
+
+PARTS = ("info", "build", "ttft", "memory", "serve")
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+# Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
+SNAPSHOT_SETTLE_S = 0.3
+
+
+def weights_mb(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // MIB + 1
+
+
+def encoder(model_dir: Path) -> Callable[[str], list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def write(out: Path, part: str, doc: dict[str, Any]) -> None:
+    (out / f"{part}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    log.info("%s: %s", part, json.dumps(doc, default=str)[:3000])
+
+
+def append_log(out: Path, title: str, path: Path) -> None:
+    text = path.read_text(errors="replace") if path.is_file() else "(no log)\n"
+    with open(out / "logs.txt", "a") as fh:
+        fh.write(f"\n===== {title} ({path.name}) =====\n{text[-2_000_000:]}")
+
+
+# --- info -------------------------------------------------------------------------------
+
+def part_info(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from worker.devices import CudaProbe, make_probe
+
+    doc: dict[str, Any] = {"mlx": mx.__version__, "default_device": str(mx.default_device()),
+                           "metal": mx.metal.is_available(), "cuda": mx.cuda.is_available(),
+                           "device_info": dict(mx.device_info())}
+    probe = make_probe(args.probe_limit_mb)
+    doc["probe"] = {"class": type(probe).__name__, "device": probe.device,
+                    "device_name": getattr(probe, "device_name", None), "limit_bytes": probe.limit_bytes,
+                    "reading": _reading(probe)}
+    doc["nvml"] = _nvml_view()
+    if isinstance(probe, CudaProbe):
+        # Does memory MLX allocates show in the GPU's free memory (and NVML's per-process
+        # figure)? If MLX took managed memory it might not until touched.
+        before = dict(mx.device_info())
+        a = mx.ones((512, 1024, 1024), dtype=mx.float32)  # 2 GiB
+        mx.eval(a)
+        time.sleep(SNAPSHOT_SETTLE_S)
+        during = dict(mx.device_info())
+        doc["alloc_2gib"] = {"free_before": before.get("free_memory"), "free_during": during.get("free_memory"),
+                             "active_during": mx.get_active_memory(), "nvml_during": _nvml_view(),
+                             "probe_during": _reading(probe, fresh=True)}
+        del a
+        mx.clear_cache()
+        time.sleep(SNAPSHOT_SETTLE_S)
+        doc["alloc_2gib"]["free_after_clear"] = dict(mx.device_info()).get("free_memory")
+    doc["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,memory.free,"
+                              "driver_version", "--format=csv"])
+    return doc
+
+
+def _reading(probe: Any, fresh: bool = False) -> dict[str, int]:
+    if fresh:
+        time.sleep(SNAPSHOT_SETTLE_S)
+    r = probe.read()
+    return {"active_bytes": r.active_bytes, "cache_bytes": r.cache_bytes, "peak_bytes": r.peak_bytes,
+            "footprint_bytes": r.footprint_bytes, "system_available_bytes": r.system_available_bytes}
+
+
+def _nvml_view() -> dict[str, Any]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        procs = [{"pid": p.pid, "used": p.usedGpuMemory}
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        return {"total": mem.total, "free": mem.free, "used": mem.used, "name": str(pynvml.nvmlDeviceGetName(h)),
+                "processes": procs, "my_pid": os.getpid()}
+    except Exception as exc:  # noqa: BLE001 - a report of what the machine has; absent is a finding
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+# --- build ------------------------------------------------------------------------------
+
+def part_build(args: argparse.Namespace) -> dict[str, Any]:
+    from bench import gpumodel
+
+    manifest = args.model_dir / gpumodel.MANIFEST
+    if manifest.is_file():
+        return {"reused": True, **json.loads(manifest.read_text())}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "bench.gpumodel", "--out", str(args.model_dir),
+                           *(["--tiny"] if args.tiny else [])], cwd=ROOT, capture_output=True,
+                          text=True, timeout=args.part_timeout_s)
+    with open(args.out / "logs.txt", "a") as fh:
+        fh.write(f"\n===== build =====\n{proc.stderr[-20000:]}{proc.stdout}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"model build failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return {"reused": False, "wall_s": round(time.monotonic() - started, 2), **json.loads(manifest.read_text())}
+
+
+# --- routers ----------------------------------------------------------------------------
+
+def start_router(args: argparse.Namespace, run_dir: Path, limit_mb: int, extra: list[str]) -> Any:
+    from bench.systems import Headroom
+
+    router = Headroom(str(args.model_dir), run_dir, ["--memory-limit-mb", str(limit_mb), *extra])
+    router.start(args.startup_timeout_s)  # sets startup_s: seconds to a healthy /health
+    return router
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            return dict(await resp.json())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def worker_of(health: dict[str, Any]) -> dict[str, Any]:
+    workers = health.get("workers") or [{}]
+    return dict(workers[0])
+
+
+# --- ttft -------------------------------------------------------------------------------
+
+async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_tokens: int) -> dict[str, Any]:
+    shorts = make_prompts(encode, "ttft-short", 2 + 16, 32)
+    longs = make_prompts(encode, "ttft-long", 2, 1024)
+    body: Callable[[Prompt], dict[str, Any]] = lambda p: request_body(p, max_tokens, {"ignore_eos": True})
+    target = url + "/v1/completions"
+    out: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for name, prompt in [("short_1", shorts[0]), ("short_2", shorts[1]),
+                             ("long_1", longs[0]), ("long_2", longs[1])]:
+            r = await one_request(session, target, body(prompt), max_tokens)
+            out[name] = {"ttft_ms": _ms(r.ttft_s), "latency_ms": _ms(r.latency_s), "error": r.error,
+                         "prompt_tokens": len(prompt.token_ids)}
+        for name, group in [("batch8_1", shorts[2:10]), ("batch8_2", shorts[10:18])]:
+            rs = await asyncio.gather(*(one_request(session, target, body(p), max_tokens) for p in group))
+            ttfts = sorted(_ms(r.ttft_s) or 0.0 for r in rs)
+            out[name] = {"ttft_ms_max": ttfts[-1], "ttft_ms_median": ttfts[len(ttfts) // 2],
+                         "errors": [r.error for r in rs if r.error]}
+        out["memory"] = await get_json(session, url + "/v1/memory")
+        out["health"] = await get_json(session, url + "/health")
+    for a, b in [("short_1", "short_2"), ("long_1", "long_2")]:
+        if out[a]["ttft_ms"] and out[b]["ttft_ms"]:
+            out[f"{a}_over_{b}"] = round(out[a]["ttft_ms"] / out[b]["ttft_ms"], 2)
+    # A fresh worker that compiles kernels inside a step can be killed by the router's
+    # watchdog (seen on the H200: "engine loop wedged"); the restarts say so.
+    out["worker_restarts"] = worker_of(out["health"]).get("restarts")
+    out["batch8_1_over_batch8_2"] = round(out["batch8_1"]["ttft_ms_max"] / max(out["batch8_2"]["ttft_ms_max"], 1e-9), 2)
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def part_ttft(args: argparse.Namespace) -> dict[str, Any]:
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    with tempfile.TemporaryDirectory(prefix="gpu-ttft-") as tmp:
+        router = start_router(args, Path(tmp), limit_mb, args.router_arg)
+        try:
+            seq = asyncio.run(asyncio.wait_for(_ttft_sequence(router.url, encoder(args.model_dir),
+                                                              args.max_tokens), args.part_timeout_s))
+        finally:
+            router.stop()
+            append_log(args.out, "ttft router", router.proc.log_path)
+    return {"limit_mb": limit_mb, "healthy_after_s": round(router.startup_s or 0, 2), **seq}
+
+
+# --- memory -----------------------------------------------------------------------------
+
+async def _burst(args: argparse.Namespace, url: str, prompts: list[Prompt]) -> dict[str, Any]:
+    snapshots: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    done = asyncio.Event()
+    started = time.monotonic()
+
+    async def snap(session: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            mem = await get_json(session, url + "/v1/memory")
+            for w in mem.get("workers") or []:
+                snapshots.append({"t_s": round(time.monotonic() - started, 2), "queued": mem.get("queued"),
+                                  **{k: v for k, v in w.items() if k != "cost_model"},
+                                  "cost_model": w.get("cost_model")})
+            with_timeout = asyncio.wait_for(done.wait(), args.snapshot_s)
+            try:
+                await with_timeout
+            except asyncio.TimeoutError:
+                pass
+
+    async def one(session: aiohttp.ClientSession, prompt: Prompt) -> None:
+        body = {"prompt": prompt.text, "max_tokens": args.burst_max_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        sent = time.monotonic()
+        entry: dict[str, Any] = {"prompt_tokens": len(prompt.token_ids)}
+        try:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                data = await resp.json(content_type=None)
+                entry["status"] = resp.status
+                if resp.status == 200:
+                    entry["completion_tokens"] = data["usage"]["completion_tokens"]
+                else:
+                    entry["error"] = data.get("error", data)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+            entry["status"] = "lost"
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        entry["latency_s"] = round(time.monotonic() - sent, 2)
+        results.append(entry)
+
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 2)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        before = worker_of(await get_json(session, url + "/health"))
+        snapper = asyncio.create_task(snap(session))
+        await asyncio.gather(*(one(session, p) for p in prompts))
+        wall_s = time.monotonic() - started
+        done.set()
+        await snapper
+        await asyncio.sleep(0.5)  # let a dying worker's exit be recorded
+        after_health = await get_json(session, url + "/health")
+        final = await get_json(session, url + "/v1/memory")
+    return _burst_summary(before, worker_of(after_health), final, results, snapshots, wall_s)
+
+
+def _burst_summary(before: dict[str, Any], after: dict[str, Any], final: dict[str, Any],
+                   results: list[dict[str, Any]], snapshots: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    statuses: dict[str, int] = {}
+    for r in results:
+        err = r.get("error")
+        code = err.get("code") if isinstance(err, dict) else None
+        key = f"{r['status']}" + (f":{code}" if code else "")
+        statuses[key] = statuses.get(key, 0) + 1
+    report = (final.get("workers") or [{}])[0]
+    peaks = [s["peak_bytes"] for s in snapshots if isinstance(s.get("peak_bytes"), int)]
+    peak = max([*peaks, report.get("peak_bytes", 0) or 0])
+    limit = report.get("limit_bytes") or next((s["limit_bytes"] for s in snapshots if s.get("limit_bytes")), None)
+    weights, budget = report.get("weights_bytes"), report.get("budget_bytes")
+    return {
+        "statuses": statuses, "wall_s": round(wall_s, 2),
+        "tokens": sum(r.get("completion_tokens", 0) for r in results),
+        "pid_before": before.get("pid"), "pid_after": after.get("pid"),
+        "same_pid": before.get("pid") == after.get("pid"),
+        "restarts_before": before.get("restarts"), "restarts_after": after.get("restarts"),
+        "last_exit": after.get("last_exit"),
+        "peak_bytes": peak, "limit_bytes": limit,
+        "peak_over_limit": round(peak / limit, 4) if limit else None,
+        "utilisation": round((peak - weights) / budget, 4) if weights and budget else None,
+        "max_running_seen": max((s.get("running") or 0 for s in snapshots), default=0),
+        "final_memory": report, "requests": sorted(results, key=lambda r: r["latency_s"]),
+        "snapshots": snapshots,
+    }
+
+
+def part_memory(args: argparse.Namespace) -> dict[str, Any]:
+    limit_mb = weights_mb(args.model_dir) + args.tight_budget_mb
+    prompts = make_prompts(encoder(args.model_dir), "burst", args.burst, args.burst_prompt_tokens)
+    extra = ["--oom-guard", "abort", "--queue-timeout", str(args.queue_timeout_s), *args.router_arg]
+    with tempfile.TemporaryDirectory(prefix="gpu-memory-") as tmp:
+        router = start_router(args, Path(tmp), limit_mb, extra)
+        try:
+            burst = asyncio.run(asyncio.wait_for(_burst(args, router.url, prompts), args.part_timeout_s))
+        finally:
+            router.stop()
+            append_log(args.out, "memory router", router.proc.log_path)
+    return {"limit_mb": limit_mb, "tight_budget_mb": args.tight_budget_mb, "burst": args.burst,
+            "prompt_tokens": args.burst_prompt_tokens, "max_tokens": args.burst_max_tokens,
+            "healthy_after_s": round(router.startup_s or 0, 2), **burst}
+
+
+# --- serve ------------------------------------------------------------------------------
+
+def part_serve(args: argparse.Namespace) -> dict[str, Any]:
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    defaults = ["--concurrency", "1,8,32", "--prompt-tokens", "short,long", "--touch"]
+    argv = [sys.executable, "-m", "bench", "serve", "--model", str(args.model_dir),
+            "--json", str(args.out / "serve.json"), f"--headroom-arg=--memory-limit-mb={limit_mb}",
+            *(args.serve_args or defaults)]
+    log.info("serve: %s", " ".join(argv))
+    started = time.monotonic()
+    with open(args.out / "serve.txt", "w") as table, open(args.out / "logs.txt", "a") as logs:
+        logs.write("\n===== serve (bench progress) =====\n")
+        logs.flush()
+        proc = subprocess.run(argv, cwd=ROOT, stdout=table, stderr=logs, timeout=args.part_timeout_s)
+    print((args.out / "serve.txt").read_text())
+    return {"returncode": proc.returncode, "limit_mb": limit_mb, "argv": argv,
+            "wall_s": round(time.monotonic() - started, 2)}
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "info": part_info, "build": part_build, "ttft": part_ttft, "memory": part_memory, "serve": part_serve}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parts", nargs="+", choices=PARTS, metavar="PART", help=", ".join(PARTS))
+    p.add_argument("--model-dir", type=Path, default=Path("/root/gpumodel"))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    p.add_argument("--tiny", action="store_true", help="build: the tiny shape (a CPU check)")
+    p.add_argument("--budget-mb", type=int, default=16384, help="ttft, serve: limit = weights + this")
+    p.add_argument("--tight-budget-mb", type=int, default=3072, help="memory: limit = weights + this")
+    p.add_argument("--burst", type=int, default=32)
+    p.add_argument("--burst-prompt-tokens", type=int, default=1000)
+    p.add_argument("--burst-max-tokens", type=int, default=200)
+    p.add_argument("--request-timeout-s", type=float, default=150.0, help="memory: per request")
+    p.add_argument("--queue-timeout-s", type=float, default=120.0, help="memory: the router's --queue-timeout")
+    p.add_argument("--snapshot-s", type=float, default=1.0, help="memory: /v1/memory every this often")
+    p.add_argument("--max-tokens", type=int, default=16, help="ttft: output tokens per request")
+    p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra router flag for ttft and memory (repeat; e.g. --router-arg=--log-level=debug)")
+    p.add_argument("--startup-timeout-s", type=float, default=240.0)
+    p.add_argument("--part-timeout-s", type=float, default=540.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    serve_args = raw[raw.index("--") + 1:] if "--" in raw else []
+    args = make_parser().parse_args(raw[:raw.index("--")] if "--" in raw else raw)
+    args.serve_args = serve_args
+    logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for part in args.parts:
+        started = time.monotonic()
+        log.info("part %s: starting", part)
+        try:
+            doc = RUNNERS[part](args)
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others' figures
+            log.exception("part %s failed", part)
+            doc = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(part)
+        doc["part_s"] = round(time.monotonic() - started, 2)
+        write(args.out, part, doc)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

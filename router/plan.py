@@ -1,0 +1,87 @@
+"""How one request's output is constrained (a grammar) and read back (a parser). Pure.
+
+Shared by every API that translates onto the chat request: given the parsed request and
+what the model's tokenizer and template declare, ``plan_output`` decides the tool-call
+family, the thinking markers, whether the prompt already opened a thinking block, and the
+grammar the worker must enforce (a forced tool call wins over ``response_format``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from common.errors import BadRequest
+from router.constraints import lark_grammar, response_format_grammar
+from router.schema import Parsed
+from router.tools import MARKERS, StreamParser, call_grammar, detect_format, make_parser
+
+__all__ = ["OutputPlan", "plan_output", "tool_format"]
+
+
+class TemplateInfo(Protocol):
+    chat_template_source: str | None
+
+    @property
+    def can_take_tools(self) -> bool: ...
+
+    @property
+    def think_markers(self) -> tuple[str, str] | None: ...
+
+    def special_token_id(self, text: str) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    tool_format: str | None = None            # family to read calls in; None: no parsing
+    think: tuple[str, str] | None = None      # reasoning markers to split on
+    in_reasoning: bool = False                # the prompt ended inside a thinking block
+    grammar: str | None = None
+
+    @property
+    def keep_markers(self) -> tuple[str, ...]:
+        """Special tokens the detokenizer must keep so the parser can see them."""
+        tools = MARKERS.get(self.tool_format or "", ())
+        return tools + (self.think or ())
+
+    def parser(self) -> StreamParser | None:
+        if self.tool_format is None and self.think is None:
+            return None
+        return make_parser(self.tool_format, self.think, self.in_reasoning)
+
+
+def tool_format(tok: TemplateInfo, flag: str) -> str | None:
+    """The family to use: the flag's, or the template's own (``auto``)."""
+    if flag == "none":
+        return None
+    return detect_format(tok.chat_template_source) if flag == "auto" else flag
+
+
+def plan_output(parsed: Parsed, tok: TemplateInfo, flag: str, prompt_text: str = "") -> OutputPlan:
+    if parsed.kind != "chat":
+        grammar = response_format_grammar(parsed.response_format) if parsed.response_format else None
+        return OutputPlan(grammar=grammar)
+    family = tool_format(tok, flag)
+    uses_tools = bool(parsed.tools) and parsed.tool_choice.mode != "none"
+    if uses_tools and (not tok.can_take_tools or family is None):
+        raise BadRequest("this model's chat template cannot take tools (or its tool-call format "
+                         "is unknown: see --tool-parser)", param="tools")
+    grammar = None
+    if uses_tools and parsed.tool_choice.is_forced:
+        assert family is not None
+        grammar = lark_grammar(call_grammar(family, parsed.tools, parsed.tool_choice,
+                                            tok.special_token_id), "tool_choice")
+    elif parsed.response_format is not None:
+        grammar = response_format_grammar(parsed.response_format)
+    think = tok.think_markers if parsed.separate_reasoning and family != "harmony" else None
+    in_reasoning = think is not None and prompt_text.rstrip().endswith(think[0])
+    # Harmony's channels are its syntax, so it is always parsed (even without tools)
+    return OutputPlan(tool_format=family if (uses_tools or family == "harmony") else None,
+                      think=think, in_reasoning=in_reasoning, grammar=grammar)
+
+
+def template_tools(parsed: Parsed) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt (none when the request says ``tool_choice: none``)."""
+    if not parsed.tools or parsed.tool_choice.mode == "none":
+        return None
+    return [t.to_template() for t in parsed.tools]

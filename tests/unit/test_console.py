@@ -1,0 +1,59 @@
+"""router/console.py: `mlx-router status` renders /status on one screen (pure parts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.console import human_bytes, memory_bar, render, sparkline
+
+GiB = 1 << 30
+
+
+def body(**over: Any) -> dict[str, Any]:
+    worker = {"state": "ready", "reason": "serving", "pid": 4242, "incarnation": "123456789012345678",
+              "restarts": 2, "mode": "spawn", "running": 1,
+              "last_exit": {"code": None, "signal": "SIGKILL", "reason": "killed by SIGKILL",
+                            "at": 940.0},
+              "memory": {"device": "metal", "limit_bytes": 8 * GiB, "active_bytes": 2 * GiB,
+                         "cache_bytes": GiB, "reserved_bytes": GiB // 2, "headroom_bytes": 5 * GiB,
+                         "peak_bytes": 3 * GiB, "max_running_requests": 8, "report_age_s": 0.1},
+              "prompt_cache": {"hits": 3, "ram_bytes": GiB, "tiers": {"disk_bytes": 1}}}
+    b = {"status": "ok", "model": "demo", "version": "0.1.0", "at": 1000.0, "queued": 3, "running": 1,
+         "tokens_per_s": 41.5, "ttft": {"count": 4, "last_s": 0.2, "p50_s": 0.15, "p95_s": 1.5},
+         "workers": [worker],
+         "rejections": [{"at": 990.0, "request_id": "r9", "endpoint": "chat", "status": 429,
+                         "code": "queue_full", "param": None, "message": "the queue is full"},
+                        {"at": 980.0, "request_id": "r8", "endpoint": "chat", "status": 400,
+                         "code": "invalid_request", "param": "messages", "message": None}],
+         "history": [{"at": 990.0 + i, "headroom_bytes": i * GiB} for i in range(6)]}
+    b.update(over)
+    return b
+
+
+def test_render_shows_the_facts_of_the_page() -> None:
+    text = render(body(), width=120)
+    for fact in ("OK", "demo", "queued 3", "running 1", "tokens/s 41.5", "p50 150 ms", "p95 1.50 s",
+                 "pid 4242", "incarnation 123456789012345678", "restarts 2", "running 1/8",
+                 "last exit: SIGKILL: killed by SIGKILL (60 s ago)", "limit 8.00 GiB",
+                 "headroom 5.00 GiB", "reserved 512.00 MiB", "prompt cache: hits 3, ram_bytes 1.00 GiB",
+                 "429 queue_full  r9  the queue is full", "400 invalid_request  r8  bad messages",
+                 "headroom, last 6 s  ▁▂▃▄▅▅"):
+        assert fact in text, fact
+    assert all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_render_without_a_worker_report() -> None:
+    worker = {"state": "restarting", "reason": "backing off 2s", "pid": None, "incarnation": None,
+              "restarts": 1, "mode": "spawn", "running": 0, "last_exit": None, "memory": None,
+              "prompt_cache": None}
+    text = render(body(status="restarting", workers=[worker], rejections=[], history=[]), width=80)
+    assert "RESTARTING" in text and "why: backing off 2s" in text and "pid -" in text
+    assert "Recent rejections: none" in text and "memory on" not in text
+
+
+def test_pieces() -> None:
+    assert human_bytes(None) == "-" and human_bytes(512) == "512 B" and human_bytes(1536) == "1.50 KiB"
+    assert memory_bar({"limit_bytes": 10, "active_bytes": 5, "cache_bytes": 2}, 10) == "[#####++...]"
+    assert memory_bar({"limit_bytes": 0}, 10) == ""
+    assert sparkline([0, 0], 5) == "▁▁" and sparkline([1, 2, 3, 4], 2) == "▆█"
+    assert sparkline([1, 2], 5, top=4) == "▃▅"

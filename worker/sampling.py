@@ -1,0 +1,113 @@
+"""Per-row samplers, logits processors and logprobs, built from the wire ``SamplingParams``.
+
+BatchGenerator takes one sampler and one list of logits processors per row, so every
+request in the batch samples its own way. The filters and penalties are mlx-lm's own
+(``sample_utils``); what is ours is the per-row PRNG key (a seeded row gives the same
+tokens whatever else is in the batch) and the compact logprobs rows sent to the router.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p, apply_top_k, apply_top_p, make_logits_processors,
+)
+
+from common.protocol import SamplingParams
+from worker.grammar import GrammarCompiler
+
+log = logging.getLogger(__name__)
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+# JSON has no -inf; a token the row may never sample (grammar, top-k) reports this instead,
+# as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def make_sampler(p: SamplingParams) -> Sampler | None:
+    """The row's sampler; None means the generator's shared greedy sampler.
+
+    A seeded row carries its own PRNG key, split once per step, so its tokens do not
+    depend on the batch or on the global random state.
+    """
+    if p.temperature <= 0:
+        return None
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0.0 < p.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, p.min_p))
+    if p.top_k > 0:  # a k as large as the vocabulary keeps everything
+        filters.append(lambda x: apply_top_k(x, p.top_k) if p.top_k < x.shape[-1] else x)
+    inv_temp = 1.0 / p.temperature
+    key = [mx.random.key(p.seed)] if p.seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        if key is None:
+            return mx.random.categorical(logprobs * inv_temp)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None) -> list[LogitsProcessor]:
+    """Logit bias and the three penalties, each over its own window of recent tokens, then
+    the row's grammar (last, so nothing can lift a token it forbids)."""
+    processors = make_logits_processors(
+        logit_bias={int(t): float(b) for t, b in p.logit_bias} or None,
+        repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
+        repetition_context_size=p.repetition_context_size,
+        presence_penalty=p.presence_penalty or None,
+        presence_context_size=p.presence_context_size,
+        frequency_penalty=p.frequency_penalty or None,
+        frequency_context_size=p.frequency_context_size,
+    )
+    if p.grammar is not None:
+        if grammars is None:
+            raise ValueError("this worker has no grammar compiler")
+        processors.append(grammars.processor(p.grammar))
+    return processors
+
+
+def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:
+    """``[logprob, top_ids, top_logprobs]`` for each (step logprobs, token, k), in one eval.
+
+    The step's logprobs are the ones the row sampled from (after its processors), most
+    likely first.
+    """
+    if not rows:
+        return []
+    k_max = max(k for _, _, k in rows)
+    stacked = mx.stack([lp for lp, _, _ in rows]).astype(mx.float32)
+    tokens = mx.array([t for _, t, _ in rows])
+    chosen = mx.take_along_axis(stacked, tokens[:, None], axis=-1)[:, 0]
+    if k_max > 0:
+        top_ids = mx.argsort(-stacked, axis=-1)[:, :k_max] if k_max * 8 > stacked.shape[-1] \
+            else _top_k_sorted(stacked, k_max)
+        top_lps = mx.take_along_axis(stacked, top_ids, axis=-1)
+        mx.eval(chosen, top_ids, top_lps)
+        ids_list, lps_list = top_ids.tolist(), top_lps.tolist()
+    else:
+        mx.eval(chosen)
+        ids_list = lps_list = [[] for _ in rows]
+    # One transfer each (tolist), never an .item() per row: each is a sync
+    return [[_finite(lp), ids[:k], [_finite(v) for v in lps[:k]]]
+            for lp, ids, lps, (_, _, k) in zip(chosen.tolist(), ids_list, lps_list, rows)]
+
+
+def _top_k_sorted(x: mx.array, k: int) -> mx.array:
+    part = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+    order = mx.argsort(-mx.take_along_axis(x, part, axis=-1), axis=-1)
+    return mx.take_along_axis(part, order, axis=-1)
+
+
+def _finite(v: float) -> float:
+    return v if v > MIN_LOGPROB else MIN_LOGPROB
