@@ -198,8 +198,9 @@ def router_cpu(folder: Path, max_tokens: int) -> dict[str, Any]:
     three, so they are left out."""
     from router.anthropic_api import MESSAGES
     from router.api import CHAT
-    from router.job import Job, TokenEvent
+    from router.job import Rows, TokenEvent
     from router.output import Collector
+    from router.plan import plan_output
     from router.responses_api import RESPONSES
     from router.tokenizer import RouterTokenizer
 
@@ -211,17 +212,19 @@ def router_cpu(folder: Path, max_tokens: int) -> dict[str, Any]:
         body = api.body(text, max_tokens)
 
         def one_request() -> None:
-            parsed = endpoint.parse(body, 512)
-            job = Job(request_id=endpoint.id_prefix + "0", prompt_ids=out_ids, sampling=parsed.sampling,
-                      deadline=0.0, enqueued_at=0.0)
-            present = endpoint.present(body, parsed, job, "demo")
-            c = Collector(tok.make_detokenizer(), parsed.stop, len(out_ids))
+            # as Api._run does it, less tokenizing the prompt (the same for every API)
+            parsed = endpoint.parse(body, 512, 1)
+            plan = plan_output(parsed, tok, "auto")
+            rows = Rows(endpoint.id_prefix + "0", prompt_tokens=len(out_ids), plan=plan)
+            present = endpoint.present(body, parsed, rows, "demo", tok)
+            c = Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop, len(out_ids), 0,
+                          plan.parser(), inline_reasoning=not parsed.separate_reasoning)
             for i, token in enumerate(out_ids):
                 c.feed(TokenEvent([token], "length" if i == len(out_ids) - 1 else None))
                 present.delta(c)
             present.tail([c], len(out_ids))
 
-        parse_us = _best_us(lambda: endpoint.parse(body, 512), 2000)
+        parse_us = _best_us(lambda: endpoint.parse(body, 512, 1), 2000)
         request_us = _best_us(one_request, 100)
         out[api.name] = {"parse_us": parse_us, "request_us": request_us,
                          "per_token_us": (request_us - parse_us) / max_tokens}
