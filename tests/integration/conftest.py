@@ -97,6 +97,7 @@ class Router(Proc):
                 "--worker-addr", self.addr, *extra]
         super().__init__(argv, isolated_env(cache_home, run_dir), run_dir / f"router-{self.port}.log")
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        self._clients: list[openai.OpenAI] = []
 
     def health(self) -> dict[str, Any]:
         try:
@@ -125,11 +126,15 @@ class Router(Proc):
         return wait_until(ready, timeout, "router /health ok", interval=0.1, on_fail=self.log)
 
     def client(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"),
-                             max_retries=kw.pop("max_retries", 0), timeout=60.0, **kw)
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"),
+                               max_retries=kw.pop("max_retries", 0), timeout=60.0, **kw)
+        self._clients.append(client)  # closed with the router: no socket left to the GC
+        return client
 
     def stop(self) -> int | None:
         self.http.close()
+        for client in self._clients:
+            client.close()
         return super().stop()
 
 
@@ -139,9 +144,10 @@ def start_router(tmp_path: Path, cache_home: Path, *extra: str) -> Router:
     return router
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def router(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[Router]:
-    """One shared router for tests that do not hurt it."""
+    """One router shared by the whole session's tests that do not hurt it (each start
+    costs seconds of model load, calibration and warm start on 2 cores)."""
     r = start_router(tmp_path_factory.mktemp("router"), cache_home)
     yield r
     r.stop()

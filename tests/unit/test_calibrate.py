@@ -20,7 +20,7 @@ import worker.calibrate as calibrate_mod
 from common.costmodel import CostModel
 from worker.calibrate import (
     FIT_MARGIN, HOLDOUT_POINTS, PROBE_POINTS, Calibration, cache_key, calibrate, fit,
-    holdout_ratio, load_cached, store,
+    fit_checked, holdout_ratio, load_cached, store,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -125,6 +125,16 @@ def test_the_held_out_ratio_says_when_the_fit_under_predicts() -> None:
     worse = [(ch, ctx, 1.5 * y) for ch, ctx, y in exact]
     assert holdout_ratio(worse, b, a, c) == pytest.approx(1.5)
     assert holdout_ratio([], b, a, c) == 0.0
+
+
+def test_sizing_bounds_the_held_out_samples_too() -> None:
+    """The held-out error is reported on the first fit; the model sized by covers them."""
+    b, a, c = 1e6, 1000.0, 1.0
+    samples = synthetic(a, c, PROBE_POINTS, b=b) + [(ch, ctx, 2.0 * y) for ch, ctx, y in
+                                                    synthetic(a, c, HOLDOUT_POINTS, b=b)]
+    fb, fa, fc, held_out = fit_checked(samples, len(PROBE_POINTS))
+    assert held_out == pytest.approx(2.0, rel=1e-3)
+    assert bounds_every_sample(fb, fa, fc, samples)
 
 
 def test_probe_points_separate_the_three_terms() -> None:
