@@ -22,6 +22,7 @@ from router.job import Rows
 from router.output import Presenter
 from router.schema import Parsed, parse_chat
 from router.tokenizer import RouterTokenizer
+from router.toolspec import tools_as_chat
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +181,7 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
 
 def tools_to_chat(tools: Any, tool_choice: Any) -> dict[str, Any]:
     """Anthropic ``tools`` and ``tool_choice`` as the chat-completions fields."""
-    out: dict[str, Any] = {}
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise BadRequest("tools must be a list", param="tools")
-        out["tools"] = [_tool(t, i) for i, t in enumerate(tools)] or None
+    out: dict[str, Any] = {"tools": tools_as_chat(tools, _tool)}
     if tool_choice is not None:
         out["tool_choice"] = _tool_choice(tool_choice)
         if isinstance(tool_choice, dict) and tool_choice.get("disable_parallel_tool_use"):

@@ -22,6 +22,7 @@ from router.output import Presenter
 from router.responses_output import ResponsesPresenter
 from router.schema import Parsed, parse_chat
 from router.tokenizer import RouterTokenizer
+from router.toolspec import tools_as_chat
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +142,8 @@ def _call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
 
 def tools_to_chat(tools: Any, tool_choice: Any) -> dict[str, Any]:
     """Responses ``tools`` (function tools only) and ``tool_choice`` as chat fields."""
-    out: dict[str, Any] = {}
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise BadRequest("tools must be a list", param="tools")
-        out["tools"] = [_tool(t, i) for i, t in enumerate(tools)] or None
-    if tool_choice is not None:
-        out["tool_choice"] = _tool_choice(tool_choice)
-    return out
+    return {"tools": tools_as_chat(tools, _tool),
+            "tool_choice": None if tool_choice is None else _tool_choice(tool_choice)}
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,15 @@ class ToolChoice:
     @property
     def is_forced(self) -> bool:
         return self.mode in ("required", "function")
+
+
+def tools_as_chat(value: Any, convert: Callable[[Any, int], dict[str, Any]]) -> Any:
+    """Another API's tool list as chat's ``tools``, each tool through ``convert`` (which
+    refuses what it cannot map); an empty list is no tools, a non-list is left for
+    ``parse_tools`` to refuse."""
+    if not isinstance(value, list):
+        return value
+    return [convert(t, i) for i, t in enumerate(value)] or None
 
 
 def parse_tools(value: Any) -> list[Tool]:
