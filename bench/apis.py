@@ -82,7 +82,7 @@ APIS = (
 async def one_request(session: aiohttp.ClientSession, url: str, api: Api, prompt: Prompt,
                       max_tokens: int) -> RequestResult:
     res = RequestResult()
-    sent = last = time.perf_counter()
+    sent = time.perf_counter()
     done = False
     try:
         async with session.post(url + api.path, json=api.body(prompt.text, max_tokens)) as resp:
@@ -102,12 +102,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, api: Api, prompt
                     res.error = f"error event: {data[:200]!r}"
                     return res
                 if api.text(event):
-                    if res.ttft_s is None:
-                        res.ttft_s = now - sent
-                    else:
-                        res.itls_s.append(now - last)
-                    last = now
-                    res.num_chunks += 1
+                    res.output_chunk(now - sent)
                 tokens = api.usage(event)
                 res.completion_tokens = tokens if tokens is not None else res.completion_tokens
                 if api.ends(event):

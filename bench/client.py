@@ -27,7 +27,6 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, sent: f
     """Consume SSE lines; returns (saw [DONE], last finish_reason). Fills res in place."""
     finish: str | None = None
     is_error_event = False
-    last = sent
     async for raw in resp.content:
         line = raw.strip()
         if not line or line.startswith(b":"):
@@ -52,13 +51,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, sent: f
             if text is None:
                 text = (choice.get("delta") or {}).get("content")
             if text:
-                if res.ttft_s is None:
-                    res.ttft_s = now - sent
-                else:
-                    res.itls_s.append(now - last)
-                last = now
-                res.num_chunks += 1
-                res.last_chunk_s = now - sent
+                res.output_chunk(now - sent)
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
     return False, finish

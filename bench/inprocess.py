@@ -37,7 +37,6 @@ MAX_BATCH_SIZE = 32
 class _Live:
     result: RequestResult
     sent: float
-    last: float
 
 
 class InProcess:
@@ -72,7 +71,7 @@ class InProcess:
                 prompt = pending.popleft()
                 sent = time.perf_counter()
                 (uid,) = gen.insert([prompt.token_ids], max_tokens=[max_tokens])
-                live[uid] = _Live(RequestResult(), sent, sent)
+                live[uid] = _Live(RequestResult(), sent)
             done.extend(self._step(live, max_tokens))
         wall_s = time.perf_counter() - started
         return RunResult(system=system, concurrency=concurrency, repetition=repetition,
@@ -89,7 +88,7 @@ class InProcess:
         gen = self.generator
         started = time.perf_counter()
         (uid,) = gen.insert([long_prompt.token_ids], max_tokens=[max_tokens])
-        live: dict[int, _Live] = {uid: _Live(RequestResult(), started, started)}
+        live: dict[int, _Live] = {uid: _Live(RequestResult(), started)}
         long_result = live[uid].result
         short_results: list[RequestResult] = []
         arrival = started + head_start_s
@@ -100,7 +99,7 @@ class InProcess:
             if not short_results and time.perf_counter() >= arrival:
                 uids = gen.insert([p.token_ids for p in shorts], max_tokens=[max_tokens] * len(shorts))
                 for short_uid in uids:
-                    live[short_uid] = _Live(RequestResult(), arrival, arrival)
+                    live[short_uid] = _Live(RequestResult(), arrival)
                     short_results.append(live[short_uid].result)
             if not live:
                 time.sleep(min(0.01, max(0.0, arrival - time.perf_counter())))
@@ -145,13 +144,7 @@ class InProcess:
 def _record_token(entry: _Live, now: float) -> None:
     res = entry.result
     res.completion_tokens += 1
-    res.num_chunks += 1
-    if res.ttft_s is None:
-        res.ttft_s = now - entry.sent
-    else:
-        res.itls_s.append(now - entry.last)
-    entry.last = now
-    res.last_chunk_s = now - entry.sent
+    res.output_chunk(now - entry.sent)
 
 
 def _finish(entry: _Live, finish_reason: str, now: float, max_tokens: int) -> None:

@@ -30,6 +30,15 @@ class RequestResult:
     latency_s: float | None = None      # send -> last byte
     last_chunk_s: float | None = None   # send -> last output-carrying chunk
 
+    def output_chunk(self, at_s: float) -> None:
+        """An output-carrying chunk arrived ``at_s`` seconds after the request was sent."""
+        if self.ttft_s is None:
+            self.ttft_s = at_s
+        elif self.last_chunk_s is not None:
+            self.itls_s.append(at_s - self.last_chunk_s)
+        self.num_chunks += 1
+        self.last_chunk_s = at_s
+
 
 @dataclass(slots=True)
 class RunResult:
