@@ -130,10 +130,12 @@ class ScaleTracker:
             return self._set(ratio * GROWTH_MARGIN, now, f"step peak x{ratio / self.scale:.2f} over prediction")
         return self._decay(now)
 
-    def memory_error(self, now: float) -> bool:
-        new = self.scale * CAUGHT_ERROR_GROWTH
-        self._window.append((now, new / GROWTH_MARGIN))  # keep it for the whole window
-        return self._set(new, now, "caught memory error")
+    def grow(self, factor: float, now: float, why: str) -> bool:
+        """Grow by ``factor`` without a measured step (a caught memory error, a test hook);
+        the growth is kept for the whole window, as a measured overshoot would be."""
+        new = self.scale * factor
+        self._window.append((now, new / GROWTH_MARGIN))
+        return self._set(new, now, why)
 
     def _decay(self, now: float) -> bool:
         while self._window and now - self._window[0][0] > SCALE_WINDOW_S:
@@ -296,7 +298,7 @@ class MemoryGate:
         self.memory.probe.clear_cache()
         if not self.admission:  # without admission, overshooting is what was asked for
             return False
-        self.tracker.memory_error(now)
+        self.tracker.grow(CAUGHT_ERROR_GROWTH, now, "caught memory error")
         self._apply_scale()
         self._caught_errors = [t for t in self._caught_errors if now - t < CAUGHT_ERROR_WINDOW_S] + [now]
         return len(self._caught_errors) >= CAUGHT_ERRORS_TO_EXIT
@@ -308,8 +310,7 @@ class MemoryGate:
 
     def grow_scale(self, factor: float, now: float) -> None:
         """Test hook: grow the scale as an overshoot would (SIGUSR1 with --test-grow-scale)."""
-        self.tracker._set(self.tracker.scale * factor, now, "test hook")
-        self.tracker._window.append((now, self.tracker.scale / GROWTH_MARGIN))
+        self.tracker.grow(factor, now, "test hook")
         self._apply_scale()
 
     def _apply_scale(self) -> None:

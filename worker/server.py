@@ -268,10 +268,8 @@ class WorkerServer:
     # -- step ------------------------------------------------------------------------
 
     def relieve_pressure(self) -> list[Output]:
-        """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
-        if not self.engine.has_work:
-            self.gate.pressure(self.view(), self.chunk_tokens)
-            return []
+        """Memory shrank under running work: stop admitting, shrink the chunk, then evict
+        (with nothing running the gate reports no pressure and nothing happens)."""
         action = self.gate.pressure(self.view(), self.chunk_tokens)
         if not action.admit:
             self.engine.set_prefill_step(action.chunk_tokens)
