@@ -11,6 +11,7 @@ as the longest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -162,10 +163,15 @@ def max_request_tokens(m: CostModel) -> int:
     Cost grows monotonically with length, so a binary search over step multiples is exact
     to the step; we charge the whole total as prompt (the conservative split).
     """
-    lo, hi = 0, m.context_length
+    return _largest(0, m.context_length, lambda n: request_cost_bytes(m, n - 1, 1) <= m.budget_bytes)
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in (lo, hi] for which ``fits`` holds, else lo (never tested), where
+    ``fits`` holds up to some n and not beyond: cost grows with n, so a binary search."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if request_cost_bytes(m, mid - 1, 1) <= m.budget_bytes:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
@@ -186,19 +192,14 @@ def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows:
 def chunk_that_fits(m: CostModel, rows: int, longest_tokens: int, prefill_rows: int,
                     context_tokens: int, limit_bytes: int, most: int) -> int:
     """The largest prefill chunk (at most ``most``, at least MIN_CHUNK_TOKENS or ``most`` if
-    smaller) whose batch worst case stays within ``limit_bytes``; MIN_CHUNK_TOKENS when
-    none does (the caller then finds the batch does not fit)."""
-    floor = min(MIN_CHUNK_TOKENS, most)
-    lo, hi = floor, most
-    if batch_cost_bytes(m, rows, longest_tokens, hi, prefill_rows, context_tokens) <= limit_bytes:
-        return hi
-    while lo < hi:  # cost grows with the chunk: binary search for the largest that fits
-        mid = (lo + hi + 1) // 2
-        if batch_cost_bytes(m, rows, longest_tokens, mid, prefill_rows, context_tokens) <= limit_bytes:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    smaller) whose batch worst case stays within ``limit_bytes``; that floor when none
+    does (the caller then finds the batch does not fit)."""
+    def fits(chunk: int) -> bool:
+        return batch_cost_bytes(m, rows, longest_tokens, chunk, prefill_rows, context_tokens) <= limit_bytes
+
+    if fits(most):  # the common case, every step: no search
+        return most
+    return _largest(min(MIN_CHUNK_TOKENS, most), most - 1, fits)
 
 
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
