@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from common.costmodel import (
@@ -345,6 +345,11 @@ def test_fits_now_counts_prefilling_rows() -> None:
 @given(m=models, running=st.lists(st.integers(1, 1 << 15), max_size=8),
        prompt=st.integers(0, 1 << 15), out=st.integers(1, 1 << 12),
        prefill_rows=st.integers(0, 4), free=st.integers(-(1 << 30), 1 << 42))
+@example(m=CostModel(kv_bytes_per_token=1, num_layers=1, prefill_a_bytes=0.0, prefill_c_bytes=1.0,
+                     prefill_b_bytes=0.0, growth_factor=0.0, copy_factor=1.0, scale=1.0,
+                     budget_bytes=1345, context_length=1, prefill_step_tokens=33,
+                     prefill_batch_size=1),
+         running=[], prompt=33, out=1, prefill_rows=0, free=1345)  # a 33-token chunk fits
 def test_fits_now_is_consistent(m: CostModel, running: list[int], prompt: int, out: int,
                                 prefill_rows: int, free: int) -> None:
     fits, worst = fits_now(m, running, prompt, out, prefill_rows, free)
@@ -352,4 +357,8 @@ def test_fits_now_is_consistent(m: CostModel, running: list[int], prompt: int, o
     assert fits == (worst <= m.budget_bytes and worst - old <= free)
     assert worst >= old
     if not running and prefill_rows == 0 and prompt >= 1:
-        assert worst == request_cost_bytes(m, prompt, out)
+        # An idle worker charges the largest chunk that fits (at least the smallest one
+        # never-fits charges), so it admits exactly what never_fits lets through.
+        assert worst >= request_cost_bytes(m, prompt, out)
+        if free >= m.budget_bytes:
+            assert fits == (not never_fits(m, prompt, out))
