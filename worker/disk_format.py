@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import logging
 import os
@@ -124,17 +125,44 @@ def write(directory: Path, key: str, cache: list[Any], *, ids: np.ndarray, finge
                 "headroom_mlx_lm": mlx_lm.__version__, "headroom_trimmable": "1" if is_trimmable else "0",
                 "headroom_tokens": base64.b64encode(ids.astype("<i4").tobytes()).decode("ascii")}
     try:
-        save_prompt_cache(str(tmp), cache, metadata)
-        os.chmod(tmp, 0o600)  # the ids are the user's prompt
-        crc, file_bytes = _checksum(tmp, sync=True)
-        _, data_bytes, _ = parse_header(tmp)
-        path = directory / f"{key}-{crc:08x}.safetensors"
+        # 0600: the ids are the user's prompt. Through a Python file object: MLX hands
+        # over a tensor per write(), Python's write releases the GIL for the syscall, and
+        # the checksum is taken on the way instead of by reading the file back.
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            sink = _ChecksumWriter(f)
+            save_prompt_cache(sink, cache, metadata)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        _, data_bytes, file_bytes = parse_header(tmp)
+        if file_bytes != sink.num_bytes:
+            raise OSError(f"wrote {sink.num_bytes} bytes, the file has {file_bytes}")
+        path = directory / f"{key}-{sink.crc:08x}.safetensors"
         os.replace(tmp, path)
     except BaseException:
         remove(tmp)
         raise
     _fsync_dir(directory)
     return path, file_bytes, data_bytes
+
+
+class _ChecksumWriter(io.RawIOBase):
+    """A write-only file that passes bytes on to ``f`` and keeps their CRC-32 and count."""
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        super().__init__()
+        self._f = f
+        self.crc = 0
+        self.num_bytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.num_bytes += len(view)
+        self._f.write(view)
+        return len(view)
 
 
 def read(path: Path, *, fingerprint: str, ids: np.ndarray) -> list[Any]:
