@@ -132,10 +132,11 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['back_after_s']:.1f} | {_f(r['ttft_s'], '.3f')} | "
                          f"{r['cached_tokens'] or 0} / {r['prompt_tokens']} | {_f(vs, '.3f')} |")
     hr, ml = results.get("headroom", {}), results.get("mlx_lm_server", {})
-    for key in sorted(set(hr) & set(ml)):
-        if key.startswith("c"):
-            a, b = hr[key]["cached_ttft_p50_s"], ml[key]["cached_ttft_p50_s"]
-            lines.append(f"\nc = {key[1:]}: Headroom's cached-turn TTFT ÷ mlx_lm.server's = "
-                         f"{_f(a / b if b else None, '.3f')} (target ≤ 1); ÷ its own cold = "
-                         f"{_f(hr[key]['cached_over_cold'], '.3f')} (target ≤ 0.2)")
+    both = [k for k in hr if k.startswith("c") and k in ml]
+    lines += [""] if both else []
+    for key in both:
+        a, b = hr[key]["cached_ttft_p50_s"], ml[key]["cached_ttft_p50_s"]
+        lines.append(f"c = {key[1:]}: Headroom's cached-turn TTFT ÷ mlx_lm.server's = "
+                     f"{_f(a / b if b else None, '.3f')} (target ≤ 1); ÷ its own cold = "
+                     f"{_f(hr[key]['cached_over_cold'], '.3f')} (target ≤ 0.2)")
     return "\n".join(lines)

@@ -113,7 +113,13 @@ class DiskTier:
                 return
             if key in self._pending:
                 return
-        nbytes = fmt.check_and_eval(cache, len(ids))
+        try:
+            nbytes = fmt.check_and_eval(cache, len(ids))
+        except ValueError as exc:  # the caller's bug costs this entry, never the worker
+            log.warning("prompt cache: not writing an entry of %d tokens: %s", len(ids), exc)
+            with self._lock:
+                self._counts["write_errors"] += 1
+            return
         with self._lock:
             if nbytes > self.max_bytes:
                 self._counts["too_large"] += 1

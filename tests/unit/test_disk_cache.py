@@ -282,8 +282,8 @@ def test_close_writes_everything_queued(tmp_path: Path) -> None:
 
 
 def test_bad_puts(tier: DiskTier, tmp_path: Path) -> None:
-    with pytest.raises(ValueError):
-        tier.put([1, 2, 3], kv(4))  # the cache holds 4 tokens, not 3
+    tier.put([1, 2, 3], kv(4))  # the cache holds 4 tokens, not 3: refused, counted
+    assert tier.stats()["write_errors"] == 1 and tier.stats()["pending"] == 0
     small = DiskTier(tmp_path / "small", FP, 100)
     small.put([1, 2, 3], kv(3))
     small.close()
