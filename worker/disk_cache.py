@@ -83,7 +83,9 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.max_pending_bytes = max_pending_bytes
         self.dir = Path(root) / fmt.dir_name(fingerprint)
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # 0700 both: the files hold users' prompts (parents=True would make the root 0755).
+        Path(root).mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()   # least recently used first
         self._pending: dict[str, int] = {}

@@ -219,6 +219,17 @@ def test_a_flipped_byte_is_caught_on_load(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_a_file_removed_by_another_process_is_a_miss(tmp_path: Path) -> None:
+    path = _one_file(tmp_path)
+    tier = DiskTier(tmp_path, FP, 1 << 30)
+    hit = tier.longest_prefix(list(range(1, 11)))
+    path.unlink()  # another worker of this model evicted it
+    assert hit is not None and tier.load(hit[1], 10) is None
+    stats = tier.stats()
+    assert stats["missing"] == 1 and stats["corrupt"] == 0 and stats["entries"] == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign_name", "wrong_fingerprint",
                                     "not_ours", "abandoned_tmp"])
 def test_untrusted_files_are_removed_and_counted_at_startup(tmp_path: Path, damage: str) -> None:
@@ -298,7 +309,7 @@ def test_options_and_default_root(tmp_path: Path) -> None:
     tier = disk_cache.from_options(disk_bytes=None, fingerprint=FP, env=env)
     assert tier is not None and tier.dir == disk_cache.default_root(env) / FP
     assert 0 < tier.max_bytes <= disk_cache.DEFAULT_MAX_BYTES
-    assert (tier.dir.stat().st_mode & 0o777) == 0o700
+    assert (tier.dir.stat().st_mode & 0o777) == 0o700 == (tier.dir.parent.stat().st_mode & 0o777)
     tier.close()
     blocked = tmp_path / "file"
     blocked.write_text("")
