@@ -102,8 +102,8 @@ class DiskTier:
     def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Queue ``cache`` (covering exactly ``tokens``) for writing; never blocks on disk.
 
-        The caller must not change the cache objects afterwards (the writer reads them
-        later): hand over an entry the RAM tier no longer serves from, or a copy.
+        The writer reads the cache objects and their arrays later: the caller must not
+        change them afterwards (sharing them read-only, as hits do, is fine).
         """
         if self._closed or not tokens or self.max_bytes <= 0:
             return
@@ -220,7 +220,7 @@ class DiskTier:
         while (job := self._queue.get()) is not None:
             try:
                 self._write(job)
-            except Exception:  # noqa: BLE001 - a disk or format error must not end the writer
+            except Exception:  # a disk or format error must not end the writer
                 log.warning("prompt cache: could not write an entry of %d tokens", len(job.ids),
                             exc_info=True)
                 with self._lock:

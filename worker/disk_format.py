@@ -120,6 +120,7 @@ def header_bytes_estimate(num_tokens: int) -> int:
 def write(directory: Path, key: str, cache: list[Any], *, ids: np.ndarray, fingerprint: str,
           is_trimmable: bool) -> tuple[Path, int, int]:
     """Write atomically; returns (path, file bytes, tensor bytes)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a user may delete it any time
     tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.safetensors"
     metadata = {"headroom_format": FORMAT_VERSION, "headroom_fingerprint": fingerprint,
                 "headroom_mlx_lm": mlx_lm.__version__, "headroom_trimmable": "1" if is_trimmable else "0",

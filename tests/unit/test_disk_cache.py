@@ -9,6 +9,7 @@ never with sleeps.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,17 @@ def test_close_writes_everything_queued(tmp_path: Path) -> None:
     tier.close()
     tier.put([60, 61], kv(2))  # after close: ignored
     assert tier.stats()["writes"] == 5 and len(files(tier)) == 5
+
+
+def test_deleting_the_directory_is_safe(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, FP, 1 << 30)
+    tier.put([1, 2, 3], kv(3))
+    written(tier, 1)
+    shutil.rmtree(tmp_path / FP)
+    assert tier.load(tier.longest_prefix([1, 2, 3, 4])[1], 3) is None  # type: ignore[index]
+    tier.put([4, 5, 6], kv(3))
+    tier.close()
+    assert tier.stats()["writes"] == 2 and tier.stats()["missing"] == 1 and len(files(tier)) == 1
 
 
 def test_bad_puts(tier: DiskTier, tmp_path: Path) -> None:
