@@ -98,6 +98,18 @@ def test_round_trip_keeps_arrays_offsets_and_classes(tier: DiskTier, model: Any)
     assert tier.stats()["hits"] == 1 and tier.stats()["entries"] == 1
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_half_precision_round_trip(tier: DiskTier, dtype: Any) -> None:
+    layer = KVCache()
+    layer.update_and_fetch(mx.random.normal((1, 2, 9, 8)).astype(dtype),
+                           mx.random.normal((1, 2, 9, 8)).astype(dtype))
+    tier.put(list(range(9)), [layer])
+    written(tier, 1)
+    loaded = tier.load(tier.longest_prefix(list(range(10)))[1], 9)  # type: ignore[index]
+    assert loaded is not None and loaded[0].keys.dtype == dtype
+    assert mx.array_equal(loaded[0].keys, layer.keys) and mx.array_equal(loaded[0].values, layer.values)
+
+
 def test_prefix_lookup_prefers_the_longest_coverage(tier: DiskTier) -> None:
     short, long = list(range(1, 11)), list(range(1, 31))
     tier.put(short, kv(10))
