@@ -51,6 +51,11 @@ def _check_common(cfg: Any) -> None:
         raise ConfigError(f"--oom-guard must be one of {OOM_GUARDS}, got {cfg.oom_guard!r}")
     if cfg.service_manager not in SERVICE_MANAGERS:
         raise ConfigError(f"--service-manager must be one of {SERVICE_MANAGERS}, got {cfg.service_manager!r}")
+    for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.prompt_cache_entries < 0:
+        raise ConfigError(f"--prompt-cache-entries must be >= 0, got {cfg.prompt_cache_entries}")
     if not cfg.model:
         raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
 
@@ -127,6 +132,15 @@ class RouterConfig:
         None, "Spawned worker's OOM guard: abort|raise|off.", choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
+    prompt_cache_bytes: int | None = opt(
+        None, "Most bytes of prompt KV the worker keeps in RAM for reuse (default: half the "
+        "memory budget above the weights; cached bytes are always given back before a request "
+        "waits).")
+    prompt_cache_entries: int = opt(32, "Most prompts the worker keeps in RAM for reuse.")
+    prompt_cache_disk_bytes: int | None = opt(
+        None, "Most bytes of prompt KV kept on disk, under the user's cache directory "
+        "(default: the disk tier's own).")
+    no_prompt_cache: bool = opt(False, "Turn prompt reuse off.")
     service_manager: str = opt(
         "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
         "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
@@ -190,6 +204,15 @@ class WorkerConfig:
         choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
+    prompt_cache_bytes: int | None = opt(
+        None, "Most bytes of prompt KV the worker keeps in RAM for reuse (default: half the "
+        "memory budget above the weights; cached bytes are always given back before a request "
+        "waits).")
+    prompt_cache_entries: int = opt(32, "Most prompts the worker keeps in RAM for reuse.")
+    prompt_cache_disk_bytes: int | None = opt(
+        None, "Most bytes of prompt KV kept on disk, under the user's cache directory "
+        "(default: the disk tier's own).")
+    no_prompt_cache: bool = opt(False, "Turn prompt reuse off.")
     prefill_step_size: int = opt(512, "Largest prefill chunk in tokens.")
     max_batch_size: int = opt(32, "Most sequences decoded together.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
