@@ -95,6 +95,10 @@ class Engine:
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
         self.cache: PrefixCache | None = None
         self.kv_bytes_per_token = 0         # to charge an extraction before it is made
+        # Stored after the step (``store_pending``): rows at a message boundary, and the KV
+        # of rows that finished.
+        self._at_boundaries: list[int] = []
+        self._finished: list[tuple[list[int], list[Any]]] = []
 
     @property
     def has_work(self) -> bool:
@@ -151,6 +155,8 @@ class Engine:
         ids = list(self.running)
         for request_id in ids:
             self.cancel(request_id)
+        self._finished.clear()  # after a failed step, nothing of it is kept
+        self._at_boundaries.clear()
         return ids
 
     def step(self) -> list[Output]:
@@ -159,7 +165,6 @@ class Engine:
             prompt_responses, responses = self.generator.next()
         self.num_steps += 1
         self.last_prefilled_tokens = stats.prompt_tokens
-        boundary_uids: list[int] = []
         for p in prompt_responses:
             run = self._by_uid.get(p.uid)
             if run is not None:
@@ -167,17 +172,17 @@ class Engine:
                 run.decoding = run.decoding or bool(p.end_of_prompt)
                 self._joined(run)
                 if p.end_of_segment and not p.end_of_prompt and self._at_boundary(run):
-                    boundary_uids.append(p.uid)
-        if boundary_uids:
-            self._store_boundaries(boundary_uids)
+                    self._at_boundaries.append(p.uid)
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
         for r in responses:
             run = self._by_uid.get(r.uid)
-            if run is not None and r.finish_reason is not None and r.prompt_cache is not None:
-                self._store(r.all_tokens, r.prompt_cache, keep=True)
-            # A finished response holds its prompt cache, which pins the whole batch's
-            # cache buffers; drop it at once.
+            if self.cache is not None and run is not None and r.finish_reason is not None \
+                    and r.prompt_cache is not None and r.all_tokens:
+                # Stored once the finished row's promise is released (``store_pending``).
+                self._finished.append((list(r.all_tokens), r.prompt_cache))
+            # A finished response's prompt cache pins the whole batch's cache buffers: only
+            # the copy for the prefix cache may keep it, and only until it is made.
             r.prompt_cache = None
             if run is None:
                 continue
@@ -222,6 +227,18 @@ class Engine:
     def _wants(self, num_tokens: int, prompt: list[int]) -> bool:
         assert self.cache is not None
         return self.cache.wants(num_tokens, prompt, num_tokens * self.kv_bytes_per_token)
+
+    def store_pending(self) -> None:
+        """Copy into the prefix cache what the last step reached: rows at a message boundary
+        (the batch stands still until the next step) and rows that finished. Called after
+        the step's peak is measured and finished rows' promises are released, so the copies
+        are neither taken for the batch's peak nor made from memory promised to it."""
+        uids = [u for u in self._at_boundaries if u in self._by_uid]
+        finished, self._at_boundaries, self._finished = self._finished, [], []
+        if uids:
+            self._store_boundaries(uids)
+        for tokens, cache in finished:
+            self._store(tokens, cache, keep=True)
 
     def _store(self, tokens: list[int] | None, cache: list[Any], *, keep: bool, asked: bool = False) -> None:
         """Evaluate one row's extracted caches (its own buffers, so the batch's can go) and

@@ -243,10 +243,12 @@ class MemoryGate:
             self.memory.probe.clear_cache()
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
-        while not fits and worst <= m.budget_bytes and self.cache.ledger().evictable_bytes:
-            # Cached prompts no request holds go before any request waits for memory.
+        while not fits and worst <= m.budget_bytes:
+            # Cached prompts no request holds go before any request waits for memory (only
+            # when giving them back is enough: otherwise the request waits for running rows).
             shortfall = worst - old_worst - self.free_bytes()
-            if self.cache.evict(max(shortfall, 1), "admission") <= 0:
+            if not 0 < shortfall <= self.cache.ledger().evictable_bytes \
+                    or self.cache.evict(shortfall, "admission") <= 0:
                 break
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
         if not fits:
@@ -288,7 +290,11 @@ class MemoryGate:
             return True
         within_budget = (self.memory.reserved_bytes + self.cache.ledger().resident_bytes + nbytes
                          <= self.model.budget_bytes)
-        return within_budget and nbytes <= self.free_bytes()
+        if not within_budget:
+            return False
+        if nbytes > self.free_bytes() and self.memory.last is not None and self.memory.last.cache_bytes:
+            self.memory.probe.clear_cache()  # MLX's buffer cache is reclaimable: not a reason to skip
+        return nbytes <= self.free_bytes()
 
     # -- the step ----------------------------------------------------------------------
 

@@ -313,9 +313,7 @@ class WorkerServer:
             outputs = self.engine.step()
             self._guard()
         except Exception as exc:
-            if is_memory_error(exc):
-                return self._recover(exc)
-            return self._crash(exc)
+            return self._failed(exc)
         elapsed = time.monotonic() - started
         if self.gate.observe_step(predicted, self.clock()):
             self._changed = True
@@ -324,7 +322,15 @@ class WorkerServer:
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())
+        try:
+            self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
+            self._guard()
+        except Exception as exc:
+            return outputs + self._failed(exc)
         return outputs
+
+    def _failed(self, exc: BaseException) -> list[Output]:
+        return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
 
     def _size_chunk(self) -> EngineView:
         """The next prefill chunk: within the step-time budget and the gate's memory."""

@@ -359,3 +359,10 @@ def test_the_cache_is_not_measured_as_the_batch_peak() -> None:
     probe.active_bytes += predicted // 2          # the step itself used half its prediction
     assert not gate.observe_step(predicted, 1.0)
     assert gate.tracker.scale == 1.0
+
+
+def test_entries_are_not_given_back_when_that_would_not_be_enough() -> None:
+    gate, probe, cache = cached_gate(20 * MIB)
+    probe.active_bytes = LIMIT - 100 * MIB   # another process's memory: 20 MiB of cache cannot cover it
+    assert gate.can_admit(view(), 3000, 500).reason is RejectReason.NOT_NOW
+    assert not cache.evicted
