@@ -25,6 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from common.protocol import SamplingParams
 from worker.grammar import GrammarCompiler
@@ -95,6 +96,9 @@ class Engine:
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
         self.cache: PrefixCache | None = None
         self.kv_bytes_per_token = 0         # to charge an extraction before it is made
+        # A cache that cannot trim (recurrent state) cannot serve an exact re-send from the
+        # whole prompt: its prompt is also kept one token short.
+        self.can_trim = can_trim_prompt_cache(make_prompt_cache(model))
         # Stored after the step (``store_pending``): rows at a message boundary, and the KV
         # of rows that finished.
         self._at_boundaries: list[int] = []
@@ -114,7 +118,8 @@ class Engine:
         """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
         ``boundaries`` (message ends) cut the rest into segments whose KV is stored."""
         cached = hit.tokens if hit is not None else 0
-        cuts = [b for b in boundaries or () if cached < b < len(prompt_ids)] if self.cache else []
+        ends = [*(boundaries or ()), *([] if self.can_trim else [len(prompt_ids) - 1])]
+        cuts = sorted({b for b in ends if cached < b < len(prompt_ids)}) if self.cache else []
         edges = [cached, *cuts, len(prompt_ids)]
         (uid,) = self.generator.insert_segments(
             [[prompt_ids[a:b] for a, b in zip(edges, edges[1:])]],
