@@ -48,6 +48,16 @@ API = web.AppKey("api", Api)
 VIEWS = web.AppKey("views", StatusViews)
 
 
+def prompt_cache_argv(cfg: RouterConfig) -> list[str]:
+    """The prompt cache flags, passed through to the spawned worker as given."""
+    argv = ["--prompt-cache-entries", str(cfg.prompt_cache_entries)]
+    for flag, value in (("--prompt-cache-bytes", cfg.prompt_cache_bytes),
+                        ("--prompt-cache-disk-bytes", cfg.prompt_cache_disk_bytes)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--no-prompt-cache"] if cfg.no_prompt_cache else [])
+
+
 def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
     argv = [sys.executable, "-m", "worker", "--model", cfg.model, "--router", addr,
             "--parent-pipe", "--log-level", cfg.log_level, "--log-format", cfg.log_format]
@@ -59,6 +69,7 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
         argv += ["--oom-guard", cfg.oom_guard]
     if cfg.unsafe_no_admission:
         argv.append("--unsafe-no-admission")
+    argv += prompt_cache_argv(cfg)
     if cfg.trust_remote_code:
         argv.append("--trust-remote-code")
     if cfg.curve_secret_key and addr.startswith("tcp://"):

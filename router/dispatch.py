@@ -182,7 +182,8 @@ class Dispatcher:
                   job.dispatched_at - job.enqueued_at, extra=about(job.request_id, link.incarnation))
         s = job.sampling
         self._send(Generate(incarnation=link.incarnation, request_id=job.request_id,
-                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens, sampling=s.params))
+                            prompt_ids=job.prompt_ids, max_tokens=s.max_tokens, sampling=s.params,
+                            boundaries=job.boundaries))
 
     def _send(self, msg: Any) -> None:
         link = self.link
@@ -402,7 +403,7 @@ class Dispatcher:
             if finish is not None:
                 del link.in_flight[request_id]
                 job.state = JobState.DONE
-            job.events.put_nowait(TokenEvent(ids, finish, logprobs))
+            job.events.put_nowait(TokenEvent(ids, finish, logprobs, msg.cached_tokens.get(request_id, 0)))
         self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs if len(r) in (3, 4)))
 
     def _on_reject(self, link: WorkerLink, msg: Reject) -> None:

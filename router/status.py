@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import resources
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.version import __version__
 from router.access import AUTHORIZED
@@ -73,6 +75,36 @@ class Metrics:
         self.history = History()  # the last minutes, for the status page
 
 
+class PromptCacheMetrics:
+    """The worker's prompt cache, read from its latest report at each scrape: counters are
+    the worker's own totals (a restarted worker starts again from zero, which Prometheus
+    reads as a counter reset), gauges its bytes and entries per tier."""
+
+    def __init__(self, report: Any) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Metric]:
+        cache = (self._report() or {}).get("prompt_cache")
+        if not isinstance(cache, dict) or not cache.get("enabled"):
+            return
+        for name, what in (("hits", "Prompts that reused cached KV."),
+                           ("misses", "Prompts that found nothing to reuse."),
+                           ("cached_tokens", "Prompt tokens served from the cache.")):
+            yield CounterMetricFamily(f"headroom_prompt_cache_{name}", what, value=_int(cache.get(name)) or 0)
+        evictions = CounterMetricFamily("headroom_prompt_cache_evictions",
+                                        "Cache entries evicted, by reason.", labels=["reason"])
+        for reason, n in (cache.get("evictions") or {}).items():
+            evictions.add_metric([str(reason)], _int(n) or 0)
+        yield evictions
+        size = GaugeMetricFamily("headroom_prompt_cache_bytes", "Cached KV bytes, by tier.", labels=["tier"])
+        count = GaugeMetricFamily("headroom_prompt_cache_entries", "Cache entries, by tier.", labels=["tier"])
+        for tier, stats in (cache.get("tiers") or {}).items():
+            if isinstance(stats, dict):
+                size.add_metric([str(tier)], _int(stats.get("bytes")) or 0)
+                count.add_metric([str(tier)], _int(stats.get("entries")) or 0)
+        yield from (size, count)
+
+
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
                  "headroom_bytes", "reserved_bytes")
 # The worker report's fields the status page shows (the rest stays in /v1/memory).
@@ -102,6 +134,8 @@ class StatusViews:
         self.is_draining = is_draining
         self.tokenizer_ready = tokenizer_ready
         self.warnings = list(warnings or [])
+        metrics.registry.register(PromptCacheMetrics(
+            lambda: dispatcher.link.status if dispatcher.link is not None else None))
 
     def worker_summary(self) -> dict[str, Any]:
         summary = self.supervisor.describe()

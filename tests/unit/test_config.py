@@ -401,3 +401,16 @@ def test_every_field_has_help() -> None:
     for cls in (RouterConfig, WorkerConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_prompt_cache_flags_pass_through_to_the_spawned_worker() -> None:
+    from router.app import worker_argv
+
+    cfg = load(RouterConfig, ["--model", "demo", "--prompt-cache-bytes", "1000",
+                              "--prompt-cache-entries", "4", "--no-prompt-cache"], {}, "mlx-router")
+    argv = worker_argv(cfg, "ipc:///tmp/w")
+    worker = load(WorkerConfig, argv[argv.index("--model"):], {}, "mlx-worker")
+    assert (worker.prompt_cache_bytes, worker.prompt_cache_entries, worker.no_prompt_cache) == (1000, 4, True)
+    assert worker.prompt_cache_disk_bytes is None
+    with pytest.raises(ConfigError, match="--prompt-cache-bytes"):
+        load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-bytes", "-1"], {}, "w")
