@@ -124,7 +124,9 @@ class HttpSystem:
 
 class Headroom(HttpSystem):
     def __init__(self, model_arg: str, run_dir: Path, extra_args: list[str]) -> None:
-        super().__init__("headroom", ["-m", "router", "--model", model_arg, *extra_args], run_dir,
+        # The disk tier in the run's own folder: never the user's cache, never an earlier run's.
+        super().__init__("headroom", ["-m", "router", "--model", model_arg,
+                                      "--prompt-cache-dir", str(run_dir / "prompt-cache"), *extra_args], run_dir,
                          {"ignore_eos": True})
         self.worker_pid: int | None = None
 

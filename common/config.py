@@ -45,7 +45,11 @@ _CACHE_OPTS: dict[str, tuple[Any, str]] = {
                            "are always given back before a request waits)."),
     "prompt_cache_entries": (32, "Most prompts the worker keeps in RAM for reuse."),
     "prompt_cache_disk_bytes": (None, "Most bytes of prompt KV kept on disk, under the user's "
-                                "cache directory (default: the disk tier's own)."),
+                                "cache directory (default: 16 GiB, or a quarter of the free disk if "
+                                "less; 0 turns the disk tier off)."),
+    "prompt_cache_dir": (None, "Where the disk tier keeps its files (default: "
+                         "$XDG_CACHE_HOME/mlx-headroom/prompt-cache, else "
+                         "~/.cache/mlx-headroom/prompt-cache)."),
     "no_prompt_cache": (False, "Turn prompt reuse off."),
 }
 
@@ -73,6 +77,8 @@ def _check_common(cfg: Any) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.prompt_cache_entries < 0:
         raise ConfigError(f"--prompt-cache-entries must be >= 0, got {cfg.prompt_cache_entries}")
+    if cfg.prompt_cache_dir is not None and not cfg.prompt_cache_dir.strip():
+        raise ConfigError("--prompt-cache-dir must not be empty")
     if not cfg.model:
         raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
 
@@ -152,6 +158,7 @@ class RouterConfig:
     prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
     prompt_cache_entries: int = cache_opt("prompt_cache_entries")
     prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
+    prompt_cache_dir: str | None = cache_opt("prompt_cache_dir")
     no_prompt_cache: bool = cache_opt("no_prompt_cache")
     service_manager: str = opt(
         "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
@@ -219,6 +226,7 @@ class WorkerConfig:
     prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
     prompt_cache_entries: int = cache_opt("prompt_cache_entries")
     prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
+    prompt_cache_dir: str | None = cache_opt("prompt_cache_dir")
     no_prompt_cache: bool = cache_opt("no_prompt_cache")
     prefill_step_size: int = opt(512, "Largest prefill chunk in tokens.")
     max_batch_size: int = opt(32, "Most sequences decoded together.")

@@ -52,7 +52,8 @@ def prompt_cache_argv(cfg: RouterConfig) -> list[str]:
     """The prompt cache flags, passed through to the spawned worker as given."""
     argv = ["--prompt-cache-entries", str(cfg.prompt_cache_entries)]
     for flag, value in (("--prompt-cache-bytes", cfg.prompt_cache_bytes),
-                        ("--prompt-cache-disk-bytes", cfg.prompt_cache_disk_bytes)):
+                        ("--prompt-cache-disk-bytes", cfg.prompt_cache_disk_bytes),
+                        ("--prompt-cache-dir", cfg.prompt_cache_dir)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--no-prompt-cache"] if cfg.no_prompt_cache else [])

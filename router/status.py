@@ -78,7 +78,9 @@ class Metrics:
 class PromptCacheMetrics:
     """The worker's prompt cache, read from its latest report at each scrape: counters are
     the worker's own totals (a restarted worker starts again from zero, which Prometheus
-    reads as a counter reset), gauges its bytes and entries per tier."""
+    reads as a counter reset), gauges its bytes and entries per tier. Hits, misses and
+    evictions carry the tier that served (or evicted) them; summed over tiers, hits are
+    every reuse. A RAM miss that the disk served is a RAM miss and a disk hit."""
 
     def __init__(self, report: Any) -> None:
         self._report = report
@@ -87,18 +89,36 @@ class PromptCacheMetrics:
         cache = (self._report() or {}).get("prompt_cache")
         if not isinstance(cache, dict) or not cache.get("enabled"):
             return
-        for name, what in (("hits", "Prompts that reused cached KV."),
-                           ("misses", "Prompts that found nothing to reuse."),
-                           ("cached_tokens", "Prompt tokens served from the cache.")):
-            yield CounterMetricFamily(f"headroom_prompt_cache_{name}", what, value=_int(cache.get(name)) or 0)
+        tiers = cache.get("tiers") or {}
+        disk = tiers.get("disk") if isinstance(tiers.get("disk"), dict) else None
+        from_disk = _int((cache.get("hits_by_kind") or {}).get("disk")) or 0
+        hits = CounterMetricFamily("headroom_prompt_cache_hits", "Prompts that reused cached KV, by tier.",
+                                   labels=["tier"])
+        misses = CounterMetricFamily("headroom_prompt_cache_misses",
+                                     "Prompts that found nothing to reuse in a tier.", labels=["tier"])
+        hits.add_metric(["ram"], (_int(cache.get("hits")) or 0) - from_disk)
+        misses.add_metric(["ram"], (_int(cache.get("misses")) or 0) + from_disk)
         evictions = CounterMetricFamily("headroom_prompt_cache_evictions",
-                                        "Cache entries evicted, by reason.", labels=["reason"])
+                                        "Cache entries evicted, by tier and reason.", labels=["tier", "reason"])
         for reason, n in (cache.get("evictions") or {}).items():
-            evictions.add_metric([str(reason)], _int(n) or 0)
-        yield evictions
+            evictions.add_metric(["ram", str(reason)], _int(n) or 0)
+        disk_counters = []
+        if disk is not None:
+            hits.add_metric(["disk"], _int(disk.get("hits")) or 0)
+            misses.add_metric(["disk"], _int(disk.get("misses")) or 0)
+            evictions.add_metric(["disk", "capacity"], _int(disk.get("evictions")) or 0)
+            for name, what in (("writes", "Entries written to the disk tier."),
+                               ("corrupt", "Untrusted cache files removed (partial, damaged, foreign)."),
+                               ("dropped", "Entries not written: the writer's queue was full.")):
+                family = CounterMetricFamily(f"headroom_prompt_cache_{name}", what, labels=["tier"])
+                family.add_metric(["disk"], _int(disk.get(name)) or 0)
+                disk_counters.append(family)
+        yield from (hits, misses, evictions, *disk_counters)
+        yield CounterMetricFamily("headroom_prompt_cache_cached_tokens", "Prompt tokens served from the cache.",
+                                  value=_int(cache.get("cached_tokens")) or 0)
         size = GaugeMetricFamily("headroom_prompt_cache_bytes", "Cached KV bytes, by tier.", labels=["tier"])
         count = GaugeMetricFamily("headroom_prompt_cache_entries", "Cache entries, by tier.", labels=["tier"])
-        for tier, stats in (cache.get("tiers") or {}).items():
+        for tier, stats in tiers.items():
             if isinstance(stats, dict):
                 size.add_metric([str(tier)], _int(stats.get("bytes")) or 0)
                 count.add_metric([str(tier)], _int(stats.get("entries")) or 0)

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker.boot import build_server, NotEnoughMemory
 
     try:
-        server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve)
+        server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve, env)
     except NotEnoughMemory as exc:
         log.error("%s", exc)
         return permanent_exit(ExitCode.NO_MEMORY, (), cfg.service_manager)

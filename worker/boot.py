@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from worker.engine import Engine
 from worker.grammar import GrammarCompiler
 from worker.loader import LoadedModel, context_length
 from worker.devices import make_probe
+from worker.disk_cache import from_options
 from worker.memory import MemoryState, ModelShape, static_cost_model
 from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
 from worker.server import ServerOptions, WorkerServer
@@ -69,7 +71,8 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
 
 
 def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
-                 cache_dir: Path | None, curve: ClientKeys | None = None) -> WorkerServer:
+                 cache_dir: Path | None, curve: ClientKeys | None = None,
+                 env: Mapping[str, str] | None = None) -> WorkerServer:
     probe = make_probe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
     # Everything this process holds beyond the weights (on CUDA the context and library
@@ -125,23 +128,32 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    server = WorkerServer(opts, engine, memory, hello, cache=make_prefix_cache(cfg, model))
+    cache = make_prefix_cache(cfg, model, disk_for=lambda max_pending_bytes: from_options(
+        disk_bytes=cfg.prompt_cache_disk_bytes, fingerprint=loaded.fingerprint, env=env or {},
+        root=Path(cfg.prompt_cache_dir).expanduser() if cfg.prompt_cache_dir else None,
+        max_pending_bytes=max_pending_bytes))
+    server = WorkerServer(opts, engine, memory, hello, cache=cache)
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
 
 
 def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
-                      disk: DiskTier | None = None) -> PrefixCache | None:
-    """The RAM tier, over the disk tier when one is given (``worker/disk_cache.py``)."""
+                      disk_for: Callable[[int], DiskTier | None] = lambda _: None) -> PrefixCache | None:
+    """The RAM tier, over the disk tier ``disk_for(max_pending_bytes)`` makes, if any
+    (``worker/disk_cache.py``; ``--no-prompt-cache`` turns both off). Entries queued for
+    the disk writer keep their arrays until written: the gate counts them (``CacheLedger``)
+    and the queue holds at most as many bytes as the RAM tier itself."""
     if cfg.no_prompt_cache:
         log.info("prompt cache off")
         return None
     max_bytes = cfg.prompt_cache_bytes
     if max_bytes is None:
         max_bytes = int(model.budget_bytes * DEFAULT_BUDGET_SHARE)
+    disk = disk_for(max_bytes) if max_bytes > 0 and cfg.prompt_cache_entries > 0 else None
     log.info("prompt cache: up to %d MiB and %d entries in RAM%s", max_bytes >> 20,
-             cfg.prompt_cache_entries, ", and a disk tier" if disk is not None else "")
+             cfg.prompt_cache_entries,
+             f", up to {disk.max_bytes >> 20} MiB on disk in {disk.dir}" if disk is not None else ", no disk tier")
     return PrefixCache(max_bytes=max_bytes, max_entries=cfg.prompt_cache_entries, disk=disk)
 
 

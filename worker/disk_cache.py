@@ -99,37 +99,39 @@ class DiskTier:
 
     # -- the seam the RAM tier calls -------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> str | None:
         """Queue ``cache`` (covering exactly ``tokens``) for writing; never blocks on disk.
+        Returns the entry's key while the writer holds its arrays (``pending_keys``), None
+        when nothing is queued (already on disk, too large, queue full: counted).
 
         The writer reads the cache objects and their arrays later: the caller must not
         change them afterwards (sharing them read-only, as hits do, is fine).
         """
         if self._closed or not tokens or self.max_bytes <= 0:
-            return
+            return None
         ids = fmt.as_ids(tokens)
         key = fmt.token_key(ids)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
-                return
+                return None
             if key in self._pending:
-                return
+                return key
         try:
             nbytes = fmt.check_and_eval(cache, len(ids))
         except ValueError as exc:  # the caller's bug costs this entry, never the worker
             log.warning("prompt cache: not writing an entry of %d tokens: %s", len(ids), exc)
             with self._lock:
                 self._counts["write_errors"] += 1
-            return
+            return None
         with self._lock:
             if nbytes > self.max_bytes:
                 self._counts["too_large"] += 1
-                return
+                return None
             pending_bytes = sum(self._pending.values())
             if self.max_pending_bytes is not None and pending_bytes + nbytes > self.max_pending_bytes:
                 self._counts["dropped"] += 1
-                return
+                return None
             self._pending[key] = nbytes
         job = _Job(key, ids, list(cache), nbytes, fmt.is_trimmable(cache))
         try:
@@ -138,6 +140,13 @@ class DiskTier:
             with self._lock:
                 self._pending.pop(key, None)
                 self._counts["dropped"] += 1
+            return None
+        return key
+
+    def pending_keys(self) -> frozenset[str]:
+        """Keys whose arrays the writer still holds (queued or being written)."""
+        with self._lock:
+            return frozenset(self._pending)
 
     def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None:
         """(usable token count, key) of the entry that covers most of ``tokens``.
@@ -300,7 +309,7 @@ def default_max_bytes(root: Path) -> int:
 
 
 def from_options(*, disk_bytes: int | None, fingerprint: str, env: Mapping[str, str],
-                 root: Path | None = None) -> DiskTier | None:
+                 root: Path | None = None, max_pending_bytes: int | None = None) -> DiskTier | None:
     """The disk tier a worker runs with: ``--prompt-cache-disk-bytes`` (None: the default,
     0: off) under ``root`` (None: ``default_root(env)``). None when it is off or no cache
     directory can be made (a read-only home costs warm restarts, not the worker)."""
@@ -311,7 +320,7 @@ def from_options(*, disk_bytes: int | None, fingerprint: str, env: Mapping[str, 
         limit = disk_bytes if disk_bytes is not None else default_max_bytes(where)
         if limit <= 0:
             return None
-        return DiskTier(where, fingerprint, limit)
+        return DiskTier(where, fingerprint, limit, max_pending_bytes=max_pending_bytes)
     except (OSError, ValueError) as exc:
         log.warning("prompt cache: no disk tier (%s)", exc)
         return None

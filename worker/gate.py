@@ -21,7 +21,8 @@ Memory classes: *fixed* (weights, baseline), *promised* (the running batch's res
 case, and prefix-cache entries handed to a request that has not joined the batch yet),
 *transient* (one step's working memory; the copy a cache hit makes when it joins the batch
 is charged to that step) and *evictable* (prefix-cache entries no request holds, seen
-through a ``CacheView``). Evictable bytes are used memory, never counted as free for
+through a ``CacheView``). Entries queued for the disk tier's writer are used and not
+evictable until written (``CacheLedger.writing_bytes``, ``pending_bytes``). Evictable bytes are used memory, never counted as free for
 promised work nor credited to admission; they are given back, least recently used first,
 before a request would wait (``can_admit``), before a chunk is shrunk (``chunk``) and long
 before a running request is stopped under pressure (``pressure``).
@@ -78,14 +79,22 @@ def is_memory_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class CacheLedger:
-    """The prefix cache's bytes in RAM, by class."""
+    """The prefix cache's bytes in memory, by class."""
 
     resident_bytes: int = 0         # every entry held in RAM
     promised_bytes: int = 0         # entries handed to requests not yet in the batch
+    writing_bytes: int = 0          # unpromised entries queued for the disk writer
+    pending_bytes: int = 0          # entries gone from RAM, alive until the writer is done
+
+    @property
+    def held_bytes(self) -> int:
+        """Everything the cache keeps alive: used memory, never free, never a row's."""
+        return self.resident_bytes + self.pending_bytes
 
     @property
     def evictable_bytes(self) -> int:
-        return max(0, self.resident_bytes - self.promised_bytes)
+        """What eviction frees now (an entry being written frees nothing until written)."""
+        return max(0, self.resident_bytes - self.promised_bytes - self.writing_bytes)
 
 
 class CacheView(Protocol):
@@ -273,7 +282,7 @@ class MemoryGate:
         """What running rows already hold above weights, baseline and the prefix cache."""
         mem = self.memory
         r = mem.last or mem.refresh()
-        return max(0, r.active_bytes - mem.idle_active_bytes - self.cache.ledger().resident_bytes)
+        return max(0, r.active_bytes - mem.idle_active_bytes - self.cache.ledger().held_bytes)
 
     def free_bytes(self) -> int:
         """Live headroom minus what is promised to running rows but not yet allocated
@@ -288,7 +297,7 @@ class MemoryGate:
         batch's worst case; the cache never evicts a request's room to keep an entry."""
         if not self.admission:
             return True
-        within_budget = (self.memory.reserved_bytes + self.cache.ledger().resident_bytes + nbytes
+        within_budget = (self.memory.reserved_bytes + self.cache.ledger().held_bytes + nbytes
                          <= self.model.budget_bytes)
         if not within_budget:
             return False
@@ -307,7 +316,7 @@ class MemoryGate:
         m, rows = self.model, max(view.prefill_rows, 1)
 
         def room() -> int:  # the budget beside the cache's entries and this step's join copies
-            return m.budget_bytes - self.cache.ledger().resident_bytes - view.joining_bytes
+            return m.budget_bytes - self.cache.ledger().held_bytes - view.joining_bytes
 
         chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
         if chunk < paced and self.cache.ledger().evictable_bytes:
@@ -351,7 +360,7 @@ class MemoryGate:
         one (mlx-lm filters lazily), so the previous step's batch is charged too.
         """
         m = self.fitted
-        self._resident_at_step = self.cache.ledger().resident_bytes
+        self._resident_at_step = self.cache.ledger().held_bytes
         if not view.rows:
             return 0
         now = costmodel.batch_cost_bytes(m, view.rows, view.longest, chunk_tokens if view.prefill_rows else 0,
@@ -363,7 +372,7 @@ class MemoryGate:
         """Compare the step's measured peak with the prediction. True: the model changed."""
         mem = self.memory
         # The prefix cache's entries are not the batch's: before the step, and any it stored.
-        cached = max(self._resident_at_step, self.cache.ledger().resident_bytes)
+        cached = max(self._resident_at_step, self.cache.ledger().held_bytes)
         measured = mem.probe.step_peak() - mem.idle_active_bytes - cached
         changed = self.tracker.observe(measured, predicted_fitted, now)
         mem.worst_measured_over_predicted = self.tracker.worst_ratio

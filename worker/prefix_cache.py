@@ -35,6 +35,7 @@ import copy
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,9 +52,14 @@ DEFAULT_BUDGET_SHARE = 0.5
 
 
 class DiskTier(Protocol):
-    """The disk tier's interface (implemented in worker/disk_cache.py)."""
+    """The disk tier's interface (implemented in worker/disk_cache.py). ``put`` returns the
+    key while its writer holds the arrays (until the key leaves ``pending_keys``)."""
 
-    def put(self, tokens: Sequence[int], cache: list[Any]) -> None: ...
+    max_bytes: int
+    dir: Path
+
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> str | None: ...
+    def pending_keys(self) -> frozenset[str]: ...
     def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None: ...
     def entry_bytes(self, key: str) -> int: ...
     def load(self, key: str, tokens: int) -> list[Any] | None: ...
@@ -77,6 +83,7 @@ class Entry:
     trimmable: bool
     used_at: int = 0
     holders: int = 0            # requests holding it (promised): never evicted while > 0
+    disk_key: str | None = None  # queued for the disk writer: not evictable until written
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -155,19 +162,39 @@ class PrefixCache:
         self.num_skipped = 0
         self.hits_by_kind: dict[str, int] = {}
         self.evictions: dict[str, int] = {}
+        # Entries gone from RAM whose disk write is queued: key -> bytes it keeps alive.
+        self._spilled: dict[str, int] = {}
 
     # -- the gate's view -------------------------------------------------------------
 
     def ledger(self) -> CacheLedger:
+        writing = self._writing()
         resident = sum(e.nbytes for e in self.entries)
         promised = sum(e.nbytes for e in self.entries if e.holders)
-        return CacheLedger(resident_bytes=resident, promised_bytes=promised)
+        unwritten = sum(e.nbytes for e in self.entries if not e.holders and e.disk_key in writing)
+        pending = sum(nbytes for key, nbytes in self._spilled.items() if key in writing)
+        return CacheLedger(resident_bytes=resident, promised_bytes=promised,
+                           writing_bytes=unwritten, pending_bytes=pending)
+
+    def _writing(self) -> frozenset[str]:
+        """Keys the disk writer still holds; forgets the ones it has let go of."""
+        if self.disk is None or not (self._spilled or any(e.disk_key for e in self.entries)):
+            return frozenset()
+        writing = self.disk.pending_keys()
+        self._spilled = {k: n for k, n in self._spilled.items() if k in writing}
+        for e in self.entries:
+            if e.disk_key is not None and e.disk_key not in writing:
+                e.disk_key = None
+        return writing
 
     def evict(self, nbytes: int, reason: str) -> int:
         """Evict entries no request holds, least recently used first, until ``nbytes`` are
-        freed or none is left; returns the bytes freed."""
+        freed or none is left; returns the bytes freed. Entries the disk writer still holds
+        are skipped: dropping them would free nothing until they are written."""
         freed = 0
-        for entry in sorted((e for e in self.entries if not e.holders), key=lambda e: e.used_at):
+        writing = self._writing()
+        for entry in sorted((e for e in self.entries if not e.holders and e.disk_key not in writing),
+                            key=lambda e: e.used_at):
             if freed >= nbytes:
                 break
             freed += self._drop(entry, reason)
@@ -272,7 +299,7 @@ class PrefixCache:
         if entry is None:
             return False
         if keep and self.disk is not None:
-            self.disk.put(entry.ids.tolist(), entry.cache)
+            entry.disk_key = self.disk.put(entry.ids.tolist(), entry.cache)
         return True
 
     def _insert(self, ids: np.ndarray, cache: list[Any]) -> Entry | None:
@@ -306,8 +333,8 @@ class PrefixCache:
         if dropped < over_count or resident - freed + nbytes > self.max_bytes:
             return False
         for e in free[:dropped]:
-            if self.disk is not None:
-                self.disk.put(e.ids.tolist(), e.cache)
+            if self.disk is not None and e.disk_key is None:
+                e.disk_key = self.disk.put(e.ids.tolist(), e.cache)
             self._drop(e, EvictReason.CAPACITY)
         return True
 
@@ -316,7 +343,9 @@ class PrefixCache:
 
     def _drop(self, entry: Entry, reason: str) -> int:
         self.entries.remove(entry)
-        entry.cache = []  # the last reference to its arrays
+        entry.cache = []  # the last reference to its arrays, but the disk writer's
+        if entry.disk_key is not None:
+            self._spilled[entry.disk_key] = entry.nbytes
         self.evictions[reason] = self.evictions.get(reason, 0) + 1
         return entry.nbytes
 
@@ -331,7 +360,8 @@ class PrefixCache:
             "skipped_stores": self.num_skipped, "entries": len(self.entries),
             "ram_bytes": ledger.resident_bytes, "max_bytes": self.max_bytes,
             "max_entries": self.max_entries, "evictable_bytes": ledger.evictable_bytes,
-            "promised_bytes": ledger.promised_bytes, "hits_by_kind": dict(self.hits_by_kind),
+            "promised_bytes": ledger.promised_bytes, "writing_bytes": ledger.writing_bytes,
+            "pending_bytes": ledger.pending_bytes, "hits_by_kind": dict(self.hits_by_kind),
             "evictions": dict(self.evictions),
             "tiers": {"ram": ram, "disk": self.disk.stats() if self.disk is not None else None},
         }

@@ -36,10 +36,14 @@ def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def isolated_env(cache_home: Path, run_dir: Path) -> dict[str, str]:
+    """Nothing of the user's: config, runtime dir and the prompt cache's disk tier are the
+    test's own (each run_dir its own disk tier: no test warms another's worker)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
     env.update(XDG_CACHE_HOME=str(cache_home), XDG_CONFIG_HOME=str(run_dir / "config"),
                XDG_RUNTIME_DIR=str(run_dir), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false",
+               MLX_ROUTER_PROMPT_CACHE_DIR=str(run_dir / "prompt-cache"),
+               MLX_WORKER_PROMPT_CACHE_DIR=str(run_dir / "prompt-cache"))
     return env
 
 

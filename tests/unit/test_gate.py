@@ -253,10 +253,12 @@ class FakeCache:
         self.sizes = list(sizes)        # least recently used first
         self.promised = promised        # the first ``promised`` entries are held by requests
         self.evicted: list[tuple[int, str]] = []
+        self.pending = 0                # bytes out of RAM, held by the disk writer
         probe.active_bytes += sum(sizes)
 
     def ledger(self) -> CacheLedger:
-        return CacheLedger(resident_bytes=sum(self.sizes), promised_bytes=sum(self.sizes[:self.promised]))
+        return CacheLedger(resident_bytes=sum(self.sizes), promised_bytes=sum(self.sizes[:self.promised]),
+                           pending_bytes=self.pending)
 
     def evict(self, nbytes: int, reason: str) -> int:
         freed = 0
@@ -366,3 +368,15 @@ def test_entries_are_not_given_back_when_that_would_not_be_enough() -> None:
     probe.active_bytes = LIMIT - 100 * MIB   # another process's memory: 20 MiB of cache cannot cover it
     assert gate.can_admit(view(), 3000, 500).reason is RejectReason.NOT_NOW
     assert not cache.evicted
+
+
+def test_bytes_queued_for_the_disk_writer_are_used_not_free_not_a_rows_and_not_evictable() -> None:
+    gate, probe, cache = cached_gate(100 * MIB)
+    free_before, room_before = gate.free_bytes(), gate.model.budget_bytes - 100 * MIB
+    cache.pending = 300 * MIB                      # evicted for capacity, its write still queued
+    probe.active_bytes += cache.pending
+    assert gate.free_bytes() == free_before - 300 * MIB
+    assert gate.allocated_bytes() == 0             # never mistaken for running rows' memory
+    assert gate.can_hold(room_before - 400 * MIB) and not gate.can_hold(room_before - 300 * MIB + 1)
+    decision = gate.can_admit(view(), 6000, 2000)  # needs more than giving back 100 MiB frees
+    assert decision.reason is RejectReason.NOT_NOW and not cache.evicted

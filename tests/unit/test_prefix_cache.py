@@ -173,13 +173,26 @@ def test_counts_and_report() -> None:
 class FakeDisk:
     """The disk tier's interface (worker/disk_cache.py) over a dict."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, slow: bool = False) -> None:
         self.files: dict[str, list[int]] = {}
         self.corrupt: set[str] = set()
         self.loads: list[str] = []
+        self.slow = slow                # writes stay queued (their arrays held) until written()
+        self.pending: set[str] = set()
 
-    def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
-        self.files[f"k{len(self.files)}"] = list(tokens)
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> str | None:
+        key = f"k{len(self.files)}"
+        self.files[key] = list(tokens)
+        if not self.slow:
+            return None
+        self.pending.add(key)
+        return key
+
+    def pending_keys(self) -> frozenset[str]:
+        return frozenset(self.pending)
+
+    def written(self) -> None:
+        self.pending.clear()
 
     def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None:
         best = [(len(t), k) for k, t in self.files.items() if list(tokens[:len(t)]) == t]
@@ -238,3 +251,20 @@ def test_no_room_or_a_corrupt_file_means_the_ram_hit_or_a_cold_start() -> None:
     disk.corrupt.add("a")
     hit = cache.lookup(seq(400))
     assert hit is not None and hit.tokens == 100 and "a" not in disk.files
+
+
+def test_entries_queued_for_the_disk_writer_are_held_and_not_evictable_until_written() -> None:
+    disk = FakeDisk(slow=True)
+    cache, cleared = make(max_entries=1, disk=disk)
+    put(cache, seq(100, start=1000))
+    put(cache, seq(100, start=2000), keep=True)    # the first leaves RAM for the writer's queue
+    ledger = cache.ledger()
+    assert (ledger.resident_bytes, ledger.pending_bytes, ledger.writing_bytes) == (100 * PER_TOKEN,) * 3
+    assert ledger.held_bytes == 200 * PER_TOKEN and ledger.evictable_bytes == 0
+    assert cache.evict(1, "admission") == 0 and len(cache.entries) == 1, "dropping it frees nothing yet"
+    report = cache.report()
+    assert report["pending_bytes"] == report["writing_bytes"] == 100 * PER_TOKEN
+    disk.written()                                 # the writer let go of both
+    ledger = cache.ledger()
+    assert (ledger.pending_bytes, ledger.writing_bytes, ledger.evictable_bytes) == (0, 0, 100 * PER_TOKEN)
+    assert cache.evict(1, "admission") == 100 * PER_TOKEN and not cache.entries and cleared
