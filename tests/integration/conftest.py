@@ -91,6 +91,7 @@ class Router(Proc):
 
     def __init__(self, run_dir: Path, cache_home: Path, *extra: str, model: str = "demo") -> None:
         self.port = free_port()
+        self.run_dir = run_dir
         self.url = f"http://127.0.0.1:{self.port}"
         self.addr = f"ipc://{run_dir}/r{self.port}.sock"
         if "--worker-addr" in extra:

@@ -1,32 +1,42 @@
-"""The prefix cache end to end: reuse across turns, the same tokens as a cold run, and
-cached prompts given back before any request waits for memory (real processes, demo model).
+"""The prefix cache end to end: reuse across turns, the same tokens as a cold run, cached
+prompts given back before any request waits for memory, and a worker that is warm again
+from the disk tier after a SIGKILL (real processes, demo model).
 
-The cached runs use the session's router; the cold runs a router started with
-``--no-prompt-cache``; the memory test a router under a tight ``--memory-limit-mb`` with the
-OOM guard armed, where a step above the limit aborts the worker as Metal would.
+The cached runs of the reuse tests use the session's router; the cold runs a router
+started with ``--no-prompt-cache`` (a router with a cache cannot give a cold run of a
+conversation it has seen: every later turn would hit). The memory and restart tests share
+a router under a tight ``--memory-limit-mb`` with the OOM guard armed, where a step above
+the limit aborts the worker as Metal would. Every router's disk tier is in its own run
+folder (tests/integration/conftest.py), never the user's cache.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.conftest import wait_until
 from tests.integration.conftest import Router
 
-# Each test's system prompt is its own, so no other test's cache entries can serve it.
-SYSTEM = ("You are the build assistant of project {name}. Answer in one short sentence, cite "
-          "the file you used, never invent flags, and keep the tone plain. ") * 2
-USERS = ["Which flag sets the memory limit?", "And the prompt cache size?", "Does it survive a restart?",
-         "What does the status page show?", "How do I turn it off?"]
+# The name comes first, so two tests' prompts share only the template's few leading tokens
+# (under the 16 worth reusing): no test's cache entries can serve another's.
+SYSTEM = ("{name} is the project. You are its build assistant: answer in one short sentence, "
+          "cite the file you used, never invent flags, and keep the tone plain. ") * 2
+USERS = ["Which flag sets the memory limit?", "And the cache size?", "Does it survive a restart?",
+         "What does the page show?", "How do I turn it off?"]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8}
 SEEDED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 8}
-TIGHT = ["--memory-limit-mb", "200", "--oom-guard", "abort"]
-TIMEOUT_S = 180.0
+TIGHT = ["--memory-limit-mb", "120", "--oom-guard", "abort"]
+TIMEOUT_S = 120.0
+RESTART_TIMEOUT_S = 90.0
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +68,13 @@ def text(answer: dict[str, Any]) -> str:
     return answer["choices"][0]["message"]["content"]
 
 
+def cache_report(router: Router) -> dict[str, Any]:
+    return router.memory()["workers"][0]["prompt_cache"]
+
+
 def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(
         router: Router, routers: dict[str, Router]) -> None:
-    turn1 = [{"role": "system", "content": SYSTEM.format(name="alpha")}, {"role": "user", "content": USERS[0]}]
+    turn1 = [{"role": "system", "content": SYSTEM.format(name="Alpha")}, {"role": "user", "content": USERS[0]}]
     first = chat(router, turn1, **GREEDY)
     assert cached(first) == 0
     turn2 = turn1 + [{"role": "assistant", "content": text(first)}, {"role": "user", "content": USERS[1]}]
@@ -75,7 +89,7 @@ def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(
 
 def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
         router: Router, routers: dict[str, Router]) -> None:
-    messages = [{"role": "system", "content": SYSTEM.format(name="beta")}]
+    messages = [{"role": "system", "content": SYSTEM.format(name="Beta")}]
     previous_prompt = 0
     for n, question in enumerate(USERS):
         messages.append({"role": "user", "content": question})
@@ -99,14 +113,25 @@ def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
         "model": "m", "max_output_tokens": 8, "temperature": 0, "instructions": messages[0]["content"],
         "input": follow_up}).json()
     assert response["usage"]["input_tokens_details"]["cached_tokens"] >= previous_prompt
-    # Counted per worker in /v1/memory and /metrics; nothing in the cold router's.
-    report = router.memory()["workers"][0]["prompt_cache"]
+    # Counted per worker and tier in /v1/memory and /metrics; nothing in the cold router's.
+    report = cache_report(router)
     assert report["enabled"] and report["hits"] >= 7 and report["cached_tokens"] > 0
-    assert report["tiers"]["ram"]["bytes"] == report["ram_bytes"] > 0 and "disk" in report["tiers"]
+    assert report["tiers"]["ram"]["bytes"] == report["ram_bytes"] > 0
+    disk = wait_until(lambda: _written(router), TIMEOUT_S, "conversation ends written to disk")
+    assert disk["entries"] > 0 and disk["bytes"] > 0 and disk["corrupt"] == 0
+    assert {"hits", "misses", "evictions", "dropped"} <= disk.keys()
     metrics = router.http.get("/metrics").text
-    assert metric(metrics, "headroom_prompt_cache_hits_total") >= 7
+    assert metric(metrics, 'headroom_prompt_cache_hits_total{tier="ram"}') >= 7
     assert metric(metrics, 'headroom_prompt_cache_bytes{tier="ram"}') > 0
+    assert metric(metrics, 'headroom_prompt_cache_bytes{tier="disk"}') > 0
+    assert metric(metrics, 'headroom_prompt_cache_writes_total{tier="disk"}') >= 1
     assert routers["cold"].memory()["workers"][0]["prompt_cache"] == {"enabled": False}
+
+
+def _written(router: Router, at_least: int = 1) -> dict[str, Any] | None:
+    """The disk tier's stats once its writer has nothing queued and ``at_least`` writes."""
+    disk = cache_report(router)["tiers"]["disk"]
+    return disk if disk["pending"] == 0 and disk["writes"] >= at_least else None
 
 
 def metric(text: str, name: str) -> float:
@@ -116,7 +141,7 @@ def metric(text: str, name: str) -> float:
 
 def memory_evictions(router: Router) -> float:
     text = router.http.get("/metrics").text
-    return sum(metric(text, f'headroom_prompt_cache_evictions_total{{reason="{r}"}}')
+    return sum(metric(text, f'headroom_prompt_cache_evictions_total{{reason="{r}",tier="ram"}}')
                for r in ("admission", "chunk", "pressure"))
 
 
@@ -125,9 +150,10 @@ def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict
     pid = router.worker()["pid"]
     report = router.memory()["workers"][0]
     assert report["prompt_cache"]["max_bytes"] == report["budget_bytes"] // 2  # the default share
-    # Fill the cache with conversations that nothing else will ask for again.
+    # Fill the cache with conversations that nothing else will ask for again (each also
+    # queued for the disk writer: the queue's bytes are held in the ledger, never freed twice).
     for i in range(3):
-        chat(router, [{"role": "system", "content": SYSTEM.format(name=f"fill-{i}") * 2},
+        chat(router, [{"role": "system", "content": SYSTEM.format(name=f"Fill{i}")},
                       {"role": "user", "content": USERS[i]}], temperature=0, max_tokens=2)
     filled = router.memory()["workers"][0]["prompt_cache"]
     assert filled["ram_bytes"] > filled["max_bytes"] // 2
@@ -145,3 +171,43 @@ def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict
     final = router.memory()["workers"][0]
     assert final["peak_bytes"] <= final["limit_bytes"]
     assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0
+
+
+def test_after_a_sigkill_the_next_turn_is_warm_from_disk_and_a_corrupt_file_is_served_cold(
+        routers: dict[str, Router]) -> None:
+    router, cold = routers["tight"], routers["cold"]
+    talks = {name: [{"role": "system", "content": SYSTEM.format(name=name)},
+                    {"role": "user", "content": USERS[0]}] for name in ("Gamma", "Delta")}
+    writes = cache_report(router)["tiers"]["disk"]["writes"]
+    for messages in talks.values():  # Delta last: its conversation's state is the newest file
+        messages += [{"role": "assistant", "content": text(chat(router, messages, **GREEDY))},
+                     {"role": "user", "content": USERS[1]}]
+    wait_until(lambda: _written(router, writes + 2), TIMEOUT_S, "both conversations written to disk")
+    old = router.worker()["pid"]
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (w := router.worker()).get("state") == "ready" and w.get("pid") != old,
+               RESTART_TIMEOUT_S, "the worker restarted and ready", on_fail=router.log)
+    files = sorted((router.run_dir / "prompt-cache").rglob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    flip_middle_byte(files[-1])
+    # Delta's newest state cannot be trusted: removed, counted, and the turn is served cold.
+    delta, delta_cold = chat(router, talks["Delta"], **GREEDY), chat(cold, talks["Delta"], **GREEDY)
+    assert cached(delta) == 0 and text(delta) == text(delta_cold)
+    assert cache_report(router)["tiers"]["disk"]["corrupt"] == 1
+    assert not files[-1].exists()
+    # Gamma's is read back (charged to the gate first): the restarted worker is warm.
+    gamma, gamma_cold = chat(router, talks["Gamma"], **GREEDY), chat(cold, talks["Gamma"], **GREEDY)
+    assert cached(gamma) > gamma["usage"]["prompt_tokens"] // 2 and cached(gamma_cold) == 0
+    assert text(gamma) == text(gamma_cold)
+    report = cache_report(router)
+    assert report["hits_by_kind"].get("disk") == 1 and report["tiers"]["disk"]["hits"] == 1
+    metrics = router.http.get("/metrics").text
+    assert metric(metrics, 'headroom_prompt_cache_hits_total{tier="disk"}') == 1
+    assert metric(metrics, 'headroom_prompt_cache_corrupt_total{tier="disk"}') == 1
+    assert router.worker()["restarts"] == 1
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Damage the tensor data (the header stays readable: only the checksum can tell)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
