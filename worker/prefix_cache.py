@@ -25,8 +25,11 @@ really go back. Bounded by ``max_bytes`` and ``max_entries``; a store that would
 The disk tier (``DiskTier``, ``worker/disk_cache.py``) is optional: entries evicted to keep
 within the bounds, and end-of-generation entries (the state of a conversation, worth
 keeping across a restart), are handed to it; an entry evicted because memory is needed now
-is not (its write would hold the memory it must give back). On a RAM miss, a longer disk
-prefix is restored when the gate has room for it, charged before the read.
+is not (its write would hold the memory it must give back). The writer holds an entry's
+arrays until they are written: the ledger counts them (``writing_bytes`` for entries still
+in RAM, which eviction skips until written; ``pending_bytes`` for those already dropped),
+so the gate never takes them for free memory. On a RAM miss, a longer disk prefix is
+restored when the gate has room for it, charged before the read.
 """
 
 from __future__ import annotations
