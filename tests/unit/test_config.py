@@ -411,6 +411,13 @@ def test_prompt_cache_flags_pass_through_to_the_spawned_worker() -> None:
     argv = worker_argv(cfg, "ipc:///tmp/w")
     worker = load(WorkerConfig, argv[argv.index("--model"):], {}, "mlx-worker")
     assert (worker.prompt_cache_bytes, worker.prompt_cache_entries, worker.no_prompt_cache) == (1000, 4, True)
-    assert worker.prompt_cache_disk_bytes is None
+    assert worker.prompt_cache_disk_bytes is None and worker.prompt_cache_dir is None
+    cfg = load(RouterConfig, ["--model", "demo", "--prompt-cache-disk-bytes", "0"],
+               {"MLX_ROUTER_PROMPT_CACHE_DIR": "/tmp/pc"}, "mlx-router")
+    argv = worker_argv(cfg, "ipc:///tmp/w")
+    worker = load(WorkerConfig, argv[argv.index("--model"):], {}, "mlx-worker")
+    assert (worker.prompt_cache_disk_bytes, worker.prompt_cache_dir) == (0, "/tmp/pc")
+    with pytest.raises(ConfigError, match="--prompt-cache-dir"):
+        load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-dir", " "], {}, "w")
     with pytest.raises(ConfigError, match="--prompt-cache-bytes"):
         load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-bytes", "-1"], {}, "w")

@@ -339,3 +339,17 @@ def test_options_and_default_root(tmp_path: Path) -> None:
     blocked.write_text("")
     assert disk_cache.from_options(disk_bytes=1 << 20, fingerprint=FP, env=env, root=blocked) is None
     assert disk_format.dir_name("a/b") != "a/b" and disk_format.dir_name(FP) == FP
+
+
+def test_put_names_what_the_writer_holds_until_it_is_written(tmp_path: Path) -> None:
+    small = disk_format.check_and_eval(kv(10), 10)
+    tier = DiskTier(tmp_path, FP, 1 << 30, max_pending_bytes=small)
+    try:
+        key = tier.put(list(range(1, 11)), kv(10))
+        assert key == disk_format.token_key(disk_format.as_ids(list(range(1, 11))))
+        written(tier, 1)
+        assert key not in tier.pending_keys() and tier.stats()["pending_bytes"] == 0
+        assert tier.put(list(range(1, 11)), kv(10)) is None, "already on disk: nothing held"
+        assert tier.put(list(range(1, 301)), kv(300)) is None and tier.stats()["dropped"] == 1
+    finally:
+        tier.close()
