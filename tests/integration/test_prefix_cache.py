@@ -2,13 +2,13 @@
 prompts given back before any request waits for memory, and a worker that is warm again
 from the disk tier after a SIGKILL (real processes, demo model).
 
-Two routers, started together: the cached runs all go to one under a tight
-``--memory-limit-mb`` with the OOM guard armed (a step above the limit aborts the worker
-as Metal would, so every test here also shows the cache never costs an abort); the cold
-runs to one started with ``--no-prompt-cache`` (a router with a cache cannot give a cold
-run of a conversation it has seen: every later turn would hit). The tests run in file
-order on the shared router: the SIGKILL comes last. Every router's disk tier is in its own
-run folder (tests/integration/conftest.py), never the user's cache.
+The reuse tests' cached runs use the session's router; every cold run goes to a router
+started with ``--no-prompt-cache`` (a router with a cache cannot give a cold run of a
+conversation it has seen: every later turn would hit). The memory and restart tests share
+a router under a tight ``--memory-limit-mb`` with the OOM guard armed (a step above the
+limit aborts the worker as Metal would), in file order: the SIGKILL comes last. Every
+router's disk tier is in its own run folder (tests/integration/conftest.py), never the
+user's cache.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ RESTART_TIMEOUT_S = 90.0
 def routers(tmp_path_factory: pytest.TempPathFactory, cache_home: Any) -> Iterator[dict[str, Router]]:
     """Started together: their model loads and warm starts overlap."""
     started = {"cold": Router(tmp_path_factory.mktemp("cold"), cache_home, "--no-prompt-cache"),
-               "cached": Router(tmp_path_factory.mktemp("cached"), cache_home, *TIGHT)}
+               "tight": Router(tmp_path_factory.mktemp("tight"), cache_home, *TIGHT)}
     try:
         for r in started.values():
             r.wait_ready()
@@ -73,8 +73,8 @@ def cache_report(router: Router) -> dict[str, Any]:
     return router.memory()["workers"][0]["prompt_cache"]
 
 
-def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(routers: dict[str, Router]) -> None:
-    router = routers["cached"]
+def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(
+        router: Router, routers: dict[str, Router]) -> None:
     turn1 = [{"role": "system", "content": SYSTEM.format(name="Alpha")}, {"role": "user", "content": USERS[0]}]
     first = chat(router, turn1, **GREEDY)
     assert cached(first) == 0
@@ -88,8 +88,8 @@ def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(rout
         assert text(hit) == text(cold), params
 
 
-def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(routers: dict[str, Router]) -> None:
-    router = routers["cached"]
+def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
+        router: Router, routers: dict[str, Router]) -> None:
     messages = [{"role": "system", "content": SYSTEM.format(name="Beta")}]
     previous_prompt = 0
     for n, question in enumerate(USERS):
@@ -147,7 +147,7 @@ def memory_evictions(router: Router) -> float:
 
 
 def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict[str, Router]) -> None:
-    router = routers["cached"]
+    router = routers["tight"]
     pid = router.worker()["pid"]
     report = router.memory()["workers"][0]
     assert report["prompt_cache"]["max_bytes"] == report["budget_bytes"] // 2  # the default share
@@ -177,7 +177,7 @@ def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict
 
 def test_after_a_sigkill_the_next_turn_is_warm_from_disk_and_a_corrupt_file_is_served_cold(
         routers: dict[str, Router]) -> None:
-    router, cold = routers["cached"], routers["cold"]
+    router, cold = routers["tight"], routers["cold"]
     talks = {name: [{"role": "system", "content": SYSTEM.format(name=name)},
                     {"role": "user", "content": USERS[0]}] for name in ("Gamma", "Delta")}
     writes = cache_report(router)["tiers"]["disk"]["writes"]
