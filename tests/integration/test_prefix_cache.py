@@ -41,11 +41,14 @@ RESTART_TIMEOUT_S = 90.0
 
 
 @pytest.fixture(scope="module")
-def routers(tmp_path_factory: pytest.TempPathFactory, cache_home: Any) -> Iterator[dict[str, Router]]:
-    """Started together: their model loads and warm starts overlap."""
+def routers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            cache_home: Any) -> Iterator[dict[str, Router]]:
+    """Started together, and with the session's router if it is not up yet: their model
+    loads and warm starts overlap."""
     started = {"cold": Router(tmp_path_factory.mktemp("cold"), cache_home, "--no-prompt-cache"),
                "tight": Router(tmp_path_factory.mktemp("tight"), cache_home, *TIGHT)}
     try:
+        request.getfixturevalue("router")
         for r in started.values():
             r.wait_ready()
         yield started
@@ -61,6 +64,15 @@ def chat(router: Router, messages: list[dict[str, str]], **params: Any) -> dict[
     return resp.json()
 
 
+def side_by_side(hit: Router, cold: Router, messages: list[dict[str, str]],
+                 **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same chat on the cached and the cold router at once (two processes, two cores)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(chat, r, messages, **params) for r in (hit, cold)]
+        first, second = (f.result(timeout=TIMEOUT_S) for f in futures)
+    return first, second
+
+
 def cached(answer: dict[str, Any]) -> int:
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -74,13 +86,13 @@ def cache_report(router: Router) -> dict[str, Any]:
 
 
 def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(
-        router: Router, routers: dict[str, Router]) -> None:
+        routers: dict[str, Router], router: Router) -> None:
     turn1 = [{"role": "system", "content": SYSTEM.format(name="Alpha")}, {"role": "user", "content": USERS[0]}]
     first = chat(router, turn1, **GREEDY)
     assert cached(first) == 0
     turn2 = turn1 + [{"role": "assistant", "content": text(first)}, {"role": "user", "content": USERS[1]}]
     for params in (GREEDY, SEEDED):
-        hit, cold = chat(router, turn2, **params), chat(routers["cold"], turn2, **params)
+        hit, cold = side_by_side(router, routers["cold"], turn2, **params)
         # The whole first prompt is a prefix of the second (and its answer's KV was kept).
         assert cached(hit) >= first["usage"]["prompt_tokens"]
         assert cached(hit) < hit["usage"]["prompt_tokens"] == cold["usage"]["prompt_tokens"]
@@ -89,12 +101,12 @@ def test_the_second_turn_reuses_the_shared_prefix_and_answers_as_a_cold_run(
 
 
 def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
-        router: Router, routers: dict[str, Router]) -> None:
+        routers: dict[str, Router], router: Router) -> None:
     messages = [{"role": "system", "content": SYSTEM.format(name="Beta")}]
     previous_prompt = 0
     for n, question in enumerate(USERS):
         messages.append({"role": "user", "content": question})
-        hit, cold = chat(router, messages, **GREEDY), chat(routers["cold"], messages, **GREEDY)
+        hit, cold = side_by_side(router, routers["cold"], messages, **GREEDY)
         assert text(hit) == text(cold), f"turn {n + 1}"
         assert cached(hit) >= previous_prompt and (n == 0 or cached(hit) > 0), f"turn {n + 1}"
         previous_prompt = hit["usage"]["prompt_tokens"]
@@ -192,12 +204,12 @@ def test_after_a_sigkill_the_next_turn_is_warm_from_disk_and_a_corrupt_file_is_s
     files = sorted((router.run_dir / "prompt-cache").rglob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
     flip_middle_byte(files[-1])
     # Delta's newest state cannot be trusted: removed, counted, and the turn is served cold.
-    delta, delta_cold = chat(router, talks["Delta"], **GREEDY), chat(cold, talks["Delta"], **GREEDY)
+    delta, delta_cold = side_by_side(router, cold, talks["Delta"], **GREEDY)
     assert cached(delta) == 0 and text(delta) == text(delta_cold)
     assert cache_report(router)["tiers"]["disk"]["corrupt"] == 1
     assert not files[-1].exists()
     # Gamma's is read back (charged to the gate first): the restarted worker is warm.
-    gamma, gamma_cold = chat(router, talks["Gamma"], **GREEDY), chat(cold, talks["Gamma"], **GREEDY)
+    gamma, gamma_cold = side_by_side(router, cold, talks["Gamma"], **GREEDY)
     assert cached(gamma) > gamma["usage"]["prompt_tokens"] // 2 and cached(gamma_cold) == 0
     assert text(gamma) == text(gamma_cold)
     report = cache_report(router)
