@@ -20,8 +20,10 @@ from prometheus_client import generate_latest
 from common.version import __version__
 from router.access import AUTHORIZED
 from router.dispatch import Dispatcher
+from router.fleet import Fleet, ModelState
 from router.history import SAMPLE_INTERVAL_S, History, Sample
-from router.supervisor import Supervisor, WorkerState
+from router.link import WorkerLink
+from router.supervisor import WorkerState
 
 # Latency buckets from 1 ms to 2 min: TTFT spans queueing as well as prefill.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -65,11 +67,19 @@ class Metrics:
             "headroom_refused_handshakes", "Worker connections refused by CURVE, by reason.",
             ["reason"], registry=r)
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
-        self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
-                            ["field"], registry=r)
-        self.cost_model = Gauge("headroom_cost_model", "The worker's cost model correction: "
+        self.memory = Gauge("headroom_worker_memory_bytes", "Each worker's latest memory report.",
+                            ["model", "worker", "field"], registry=r)
+        self.cost_model = Gauge("headroom_cost_model", "Each worker's cost model correction: "
                                 "scale (1 = the fitted model) and the worst measured/predicted step.",
-                                ["field"], registry=r)
+                                ["model", "worker", "field"], registry=r)
+        self.workers = Gauge("headroom_workers", "Workers by model and state.", ["model", "state"],
+                             registry=r)
+        self.model_state = Gauge("headroom_model_state", "1 for each model's current state.",
+                                 ["model", "state"], registry=r)
+        self.lease = Gauge("headroom_worker_lease_bytes", "Each worker's share of the host budget.",
+                           ["model", "worker"], registry=r)
+        self.host = Gauge("headroom_host_memory_bytes", "The host budget and what is leased of it.",
+                          ["field"], registry=r)
         self.history = History()  # the last minutes, for the status page
 
 
@@ -92,47 +102,72 @@ PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"
 class StatusViews:
     """Handlers for the operator endpoints; they read state, they never change it."""
 
-    def __init__(self, dispatcher: Dispatcher, supervisor: Supervisor, metrics: Metrics,
+    def __init__(self, dispatcher: Dispatcher, fleet: Fleet, metrics: Metrics,
                  model_id: str, is_draining: Any, tokenizer_ready: Any,
                  warnings: list[str] | None = None) -> None:
         self.dispatcher = dispatcher
-        self.supervisor = supervisor
+        self.fleet = fleet
         self.metrics = metrics
         self.model_id = model_id
         self.is_draining = is_draining
-        self.tokenizer_ready = tokenizer_ready
+        self.tokenizer_ready = tokenizer_ready   # (tokenizer path) -> loaded?
         self.warnings = list(warnings or [])
 
-    def worker_summary(self) -> dict[str, Any]:
-        summary = self.supervisor.describe()
-        link = self.dispatcher.link
-        report = link.status if link else None
-        if report:
-            summary["headroom_bytes"] = report.get("headroom_bytes")
+    def _link(self, incarnation: int | None) -> WorkerLink | None:
+        return self.dispatcher.links.get(incarnation) if incarnation is not None else None
+
+    def worker_summaries(self) -> list[dict[str, Any]]:
+        out = []
+        for w in self.fleet.workers.values():
+            summary = w.sup.describe()
+            summary["lease_bytes"] = w.lease_bytes
+            summary["stopping"] = w.stopping
+            link = self._link(w.sup.incarnation)
             summary["running"] = len(link.in_flight) if link else 0
-            summary["max_request_tokens"] = report.get("max_request_tokens")
-        return summary
+            if link is not None and link.status:
+                summary["headroom_bytes"] = link.status.get("headroom_bytes")
+                summary["max_request_tokens"] = link.status.get("max_request_tokens")
+            out.append(summary)
+        return out
+
+    def is_serving(self) -> bool:
+        """A worker is ready and its tokenizer loaded; or, with models loaded on demand,
+        nothing has failed (an idle router with nothing loaded is healthy)."""
+        links = [link for link in self.dispatcher.links.values() if not link.retiring]
+        if any(self.tokenizer_ready(link.hello.tokenizer_path) for link in links):
+            return True
+        if self.fleet.preloads():
+            return False
+        states = {w.sup.state for w in self.fleet.workers.values() if not w.stopping}
+        return WorkerState.FAILED not in states and not self.dispatcher.unavailable
 
     def health_body(self, detailed: bool = True) -> tuple[int, dict[str, Any]]:
         """``detailed=False`` (a caller without the API key) leaves out what could name a
         file: the worker's log tail and a model given as a path."""
-        worker = self.worker_summary()
-        if not detailed and worker.get("last_exit"):
-            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
-                                   if k != "stderr_tail"}
-        ready = worker["state"] == WorkerState.READY.value
-        ok = ready and self.tokenizer_ready() and not self.is_draining()
+        workers = self.worker_summaries()
+        if not detailed:
+            for worker in workers:
+                if worker.get("last_exit"):
+                    worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                           if k != "stderr_tail"}
+        ok = self.is_serving() and not self.is_draining()
         if ok:
             status = "ok"
         elif self.is_draining():
             status = "draining"
+        elif any(w["state"] == WorkerState.READY.value for w in workers):
+            status = "loading tokenizer"
         else:
-            status = "loading tokenizer" if ready else worker["state"]
+            status = workers[0]["state"] if workers else "starting"
         model = self.model_id if detailed else public_model_name(self.model_id)
-        body = {"status": status, "model": model, "queued": len(self.dispatcher.backlog),
-                "workers": [worker], "warnings": self.warnings}
-        if self.dispatcher.refused is not None:
-            body["refused_workers"] = [{**self.dispatcher.refused,
+        models = self.fleet.describe_models()
+        if not detailed:
+            for m in models:
+                m.pop("source", None)
+        body = {"status": status, "model": model, "queued": self.dispatcher.num_queued(),
+                "models": models, "workers": workers, "warnings": self.warnings}
+        if self.dispatcher.channel.refused is not None:
+            body["refused_workers"] = [{**self.dispatcher.channel.refused,
                                         "reason": "protocol version mismatch"}]
         return (200 if ok else 503), body
 
@@ -141,14 +176,23 @@ class StatusViews:
         return web.json_response(body, status=code)
 
     async def memory(self, request: web.Request) -> web.Response:
-        link = self.dispatcher.link
         workers = []
-        if link is not None and link.status is not None:
+        leases = {w.sup.incarnation: w for w in self.fleet.workers.values()}
+        for link in self.dispatcher.links.values():
+            if link.status is None:
+                continue
             report = dict(link.status)
             report["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
             report["incarnation"] = link.incarnation
+            report["model"] = link.model_alias
+            report["pid"] = link.hello.pid
+            owner = leases.get(link.incarnation)
+            report["lease_bytes"] = owner.lease_bytes if owner else None
+            report["queued"] = self.dispatcher.num_queued(link.model_alias)
             workers.append(report)
-        return web.json_response({"queued": len(self.dispatcher.backlog), "workers": workers})
+        return web.json_response({"queued": self.dispatcher.num_queued(), "workers": workers,
+                                  "host": self.fleet.describe_host(),
+                                  "models": self.fleet.describe_models()})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.refresh_gauges()
@@ -157,28 +201,48 @@ class StatusViews:
 
     def refresh_gauges(self) -> None:
         m = self.metrics
-        m.queued.set(len(self.dispatcher.backlog))
-        link = self.dispatcher.link
-        m.running.set(len(link.in_flight) if link else 0)
-        if link is not None and link.status is not None:
+        m.queued.set(self.dispatcher.num_queued())
+        m.running.set(sum(len(link.in_flight) for link in self.dispatcher.links.values()))
+        for gauge in (m.memory, m.cost_model, m.workers, m.model_state, m.lease):
+            gauge.clear()  # workers come and go: no stale series
+        for link in self.dispatcher.links.values():
+            worker = str(link.hello.pid)
+            report = link.status or {}
             for name in MEMORY_GAUGES:
-                value = link.status.get(name)
+                value = report.get(name)
                 if isinstance(value, (int, float)):
-                    m.memory.labels(field=name).set(value)
+                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(value)
             for name in ("scale", "worst_measured_over_predicted"):
-                value = link.status.get(name)
+                value = report.get(name)
                 if isinstance(value, (int, float)):
-                    m.cost_model.labels(field=name).set(value)
+                    m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(value)
+        for w in self.fleet.workers.values():
+            m.workers.labels(model=w.model, state=w.sup.state.value).inc()
+            if w.lease_bytes is not None:
+                m.lease.labels(model=w.model, worker=str(w.sup.pid)).set(w.lease_bytes)
+        for info in self.fleet.describe_models():
+            for state in ModelState:
+                m.model_state.labels(model=info["id"], state=state.value).set(
+                    1 if info["state"] == state.value else 0)
+        host = self.fleet.describe_host()
+        for name in ("budget_bytes", "leased_bytes"):
+            if isinstance(host.get(name), int):
+                m.host.labels(field=name).set(host[name])
 
     # -- the status page and its data ------------------------------------------------
 
     def take_sample(self, now: float) -> Sample:
         """One chart point: the latest worker report, the queue, and the token rate."""
         total = self.metrics.registry.get_sample_value("headroom_generated_tokens_total") or 0.0
-        link = self.dispatcher.link
-        report = link.status if link is not None and link.status is not None else {}
-        sample = Sample(at=round(now, 3), queued=len(self.dispatcher.backlog),
-                        running=len(link.in_flight) if link else 0,
+        links = list(self.dispatcher.links.values())
+        report: dict[str, Any] = {}
+        for link in links:  # the host's total over every worker
+            for f in ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes", "headroom_bytes"):
+                value = _int((link.status or {}).get(f))
+                if value is not None:
+                    report[f] = report.get(f, 0) + value
+        sample = Sample(at=round(now, 3), queued=self.dispatcher.num_queued(),
+                        running=sum(len(link.in_flight) for link in links),
                         tokens_per_s=round(self.metrics.history.tokens_per_s(now, total), 2),
                         **{f: _int(report.get(f)) for f in ("limit_bytes", "active_bytes",
                            "cache_bytes", "reserved_bytes", "headroom_bytes")})
@@ -207,20 +271,24 @@ class StatusViews:
                 "history": history.samples_since(since)}
 
     def _page_workers(self) -> list[dict[str, Any]]:
-        worker = self.supervisor.describe()
-        if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
-            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items() if k != "stderr_tail"}
-        if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
-            worker["incarnation"] = str(worker["incarnation"])
-        link = self.dispatcher.link
-        worker["running"] = len(link.in_flight) if link else 0
-        worker["memory"] = worker["prompt_cache"] = None
-        if link is not None and link.status is not None:
-            worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
-            worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
-            cache = link.status.get("prompt_cache")
-            worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
-        return [worker]
+        out = []
+        for w in self.fleet.workers.values():
+            worker = w.sup.describe()
+            if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
+                worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                       if k != "stderr_tail"}
+            if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
+                worker["incarnation"] = str(worker["incarnation"])
+            link = self._link(w.sup.incarnation)
+            worker["running"] = len(link.in_flight) if link else 0
+            worker["memory"] = worker["prompt_cache"] = None
+            if link is not None and link.status is not None:
+                worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
+                worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
+                cache = link.status.get("prompt_cache")
+                worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
+            out.append(worker)
+        return out
 
     async def status(self, request: web.Request) -> web.Response:
         try:
