@@ -107,6 +107,7 @@ class Fleet:
         if self.make_spawn is None:  # external workers: a slot per model until one connects
             for served in self.models.values():
                 await self._add(served.spec.alias, None, None)
+        self.reconcile()  # what starts at once is listed by the first /health
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="fleet-reconcile"))
 
     async def stop(self) -> None:
