@@ -307,8 +307,9 @@ class Api:
                                        "timeout") from None
                 if served.tokenizer_path is None and alias not in d.unavailable:
                     d.ready(alias).clear()  # a stale wakeup: wait again
-        path = served.tokenizer_path
-        return self._tokenizers.get(path) or await self._load_tokenizer(path)
+            # Still waiting: the worker loads while the tokenizer does.
+            path = served.tokenizer_path
+            return self._tokenizers.get(path) or await self._load_tokenizer(path)
 
     async def _admit(self, served: Served, parsed: Parsed, arrived: float, request_id: str,
                      id_prefix: str) -> Rows:

@@ -60,6 +60,11 @@ def worker_pids(router: Router) -> dict[str, int]:
     return out
 
 
+def loads(router: Router, model: str) -> int:
+    """Workers the router started for ``model``, by its log (the whole file)."""
+    return router.log_path.read_text(errors="replace").count(f"router.fleet: loading {model} ")
+
+
 def states(router: Router) -> dict[str, str]:
     return {m["id"]: m["state"] for m in router.http.get("/v1/models").json()["data"]}
 
@@ -108,6 +113,8 @@ def test_unknown_model_is_404_in_each_api_s_shape(two: Router) -> None:
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
     r = two.http.post("/v1/responses", json={"model": "gamma", "input": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = two.http.post("/v1/completions", json={"model": "alpha", "prompt": "x", "keep_alive": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
 def test_idle_model_unloads_after_keep_alive_and_pinned_stays(two: Router) -> None:
@@ -122,11 +129,11 @@ def test_idle_model_unloads_after_keep_alive_and_pinned_stays(two: Router) -> No
 
 def test_ten_first_requests_start_one_worker_and_keep_alive_0_unloads(two: Router) -> None:
     wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded")
-    before = two.log().count("loading beta")
+    before = loads(two, "beta")
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         texts = list(pool.map(lambda _: complete(two, "beta", keep_alive=0), range(10)))
     assert len(set(texts)) == 1
-    assert two.log().count("loading beta") == before + 1, "exactly one worker for ten requests"
+    assert loads(two, "beta") == before + 1, "exactly one worker for ten requests"
     # keep_alive 0: unloaded right after the last request; the router and ps agree.
     wait_until(lambda: "beta" not in worker_pids(two), 30, "beta's worker to exit (keep_alive 0)",
                on_fail=two.log)
@@ -190,6 +197,7 @@ def test_budget_for_one_swaps_models_and_never_unloads_a_busy_one(tight: Router)
         assert complete(tight, "alpha") == a  # and back again
     finally:
         watch.stop()
+    assert "trimmed on the router's request" in tight.log()  # asked before it was stopped
     assert watch.most_workers == 1, f"two workers at once within a one-model budget: {watch.seen}"
     assert watch.most_leased <= 120 << 20
     assert [list(p) for p in watch.seen] == [["alpha"], ["beta"], ["alpha"]]

@@ -139,16 +139,22 @@ def _job(request_id: str, model: str = "m") -> Job:
                deadline=1e9, enqueued_at=0.0, model=model)
 
 
-def test_jobs_spread_over_the_workers_of_their_model(dispatcher: tuple[Dispatcher, Clock]) -> None:
+def _two_workers_four_jobs(d: Dispatcher) -> list[Job]:
+    """Workers 7 and 8 of model m report room for 4 each; four jobs are submitted."""
     from common.protocol import Status
 
-    d, clock = dispatcher
     d._handle(b"w8", _hello(8))
     for incarnation in (7, 8):
         d._handle(b"w", Status(incarnation=incarnation, report={"max_running_requests": 4}))
     jobs = [_job(f"r{i}") for i in range(4)]
     for job in jobs:
         d.submit(job)
+    return jobs
+
+
+def test_jobs_spread_over_the_workers_of_their_model(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    _two_workers_four_jobs(d)
     assert sorted(len(link.in_flight) for link in d.links.values()) == [2, 2]
     # A job for another model waits for a worker of that model, whatever room these have.
     other = _job("x", model="other")
@@ -157,15 +163,8 @@ def test_jobs_spread_over_the_workers_of_their_model(dispatcher: tuple[Dispatche
 
 
 def test_a_lost_worker_s_unstarted_jobs_go_to_the_other_worker(dispatcher: tuple[Dispatcher, Clock]) -> None:
-    from common.protocol import Status
-
     d, clock = dispatcher
-    d._handle(b"w8", _hello(8))
-    for incarnation in (7, 8):
-        d._handle(b"w", Status(incarnation=incarnation, report={"max_running_requests": 4}))
-    jobs = [_job(f"r{i}") for i in range(4)]
-    for job in jobs:
-        d.submit(job)
+    _two_workers_four_jobs(d)
     on_7 = list(d.links[7].in_flight.values())
     d.worker_lost(7, "killed")
     assert all(job.incarnation == 8 and job.state is JobState.RUNNING for job in on_7)
