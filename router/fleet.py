@@ -286,9 +286,15 @@ class Fleet:
                                 last_used_at=self.last_used(w.model)))
         return out
 
+    def serving(self, model: str) -> list[Worker]:
+        """The model's workers that serve or will: spawned ones, and external ones while
+        connected (a silent external worker may never come back; a spawned one restarts)."""
+        return [w for w in self.live(model)
+                if w.sup.spawn_spec is not None or w.sup.state is WorkerState.READY]
+
     def _place(self, served: Served, now: float) -> None:
         model = served.spec.alias
-        have = len(self.live(model))
+        have = len(self.serving(model))
         if have >= self.replicas:
             return
         if self.budget_bytes is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import process_gone, wait_until
-from tests.integration.conftest import Router
+from tests.integration.conftest import Proc, Router, isolated_env
 
 LOAD_S = 90.0
 PROMPT = "Say something."
@@ -138,6 +139,26 @@ def test_ten_first_requests_start_one_worker_and_keep_alive_0_unloads(two: Route
     wait_until(lambda: "beta" not in worker_pids(two), 30, "beta's worker to exit (keep_alive 0)",
                on_fail=two.log)
     wait_until(lambda: states(two)["beta"] == "unloaded", 10, "the router to show beta unloaded")
+
+
+def test_an_external_worker_joins_the_model_it_names(two: Router, models: tuple[Path, Path],
+                                                      tmp_path: Path, cache_home: Path) -> None:
+    """Started by hand (as on another Mac), it serves beta beside spawned workers; when it
+    goes, beta loads on demand again."""
+    wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded")
+    before = loads(two, "beta")
+    worker = Proc([sys.executable, "-m", "worker", "--model", str(models[1]), "--router", two.addr],
+                  isolated_env(cache_home, tmp_path), tmp_path / "external.log")
+    try:
+        wait_until(lambda: states(two)["beta"] == "loaded", LOAD_S, "the external worker's hello",
+                   on_fail=worker.log)
+        complete(two, "beta")
+        assert loads(two, "beta") == before, "no worker spawned while the external one serves"
+        assert worker.pid in {w["pid"] for w in two.health()["workers"] if w["model"] == "beta"}
+    finally:
+        assert worker.stop() == 0
+    complete(two, "beta")  # spawned again, on demand
+    assert loads(two, "beta") == before + 1
 
 
 @pytest.fixture(scope="module")
