@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -95,7 +95,7 @@ class Fleet:
         self._keys = itertools.count(1)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._stops: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[None]] = set()
         dispatcher.assign = self.assign
         dispatcher.hello_listeners.append(self.on_hello)
         dispatcher.on_shutdown = self.on_worker_shutdown
@@ -115,7 +115,7 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(w.sup.stop() for w in self.workers.values()),
-                             *self._stops, return_exceptions=True)
+                             *self._pending, return_exceptions=True)
 
     def restart_all(self) -> None:
         for w in self.workers.values():
@@ -205,7 +205,7 @@ class Fleet:
                           and w.sup.state in (WorkerState.STARTING, WorkerState.DOWN)), None)
             if owner is None:
                 owner = self._add_now(model, None, None)
-                self._tasks.append(asyncio.ensure_future(owner.sup.start()))
+                self._background(owner.sup.start())
             owner.sup.incarnation = hello.incarnation
         owner.sup.on_hello(hello)
         self._wake.set()
@@ -323,7 +323,7 @@ class Fleet:
         w = self._add_now(served.spec.alias, self.make_spawn(served.spec, lease_bytes), lease_bytes)
         log.info("loading %s (worker %d, lease %s)", served.spec.alias, w.key,
                  f"{lease_bytes >> 20} MiB" if lease_bytes is not None else "unbounded")
-        self._tasks.append(asyncio.ensure_future(w.sup.start()))
+        self._background(w.sup.start())
 
     def _retire(self, w: Worker, why: str) -> None:
         """Stop a worker for good; its lease counts until its process has exited."""
@@ -344,9 +344,13 @@ class Fleet:
                 self._grow_leases()
                 self._wake.set()
 
-        task = asyncio.ensure_future(stop())
-        self._stops.add(task)
-        task.add_done_callback(self._stops.discard)
+        self._background(stop())
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """A start or stop that outlives this step; kept until done (and awaited at stop)."""
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _grow_leases(self) -> None:
         """Room came back: a worker that got less than it asked for gets more, and is told."""
