@@ -26,6 +26,10 @@ case "${1:-}" in
       cat /root/stash/part-aa "$whl"/b/part-ab > "$cuda_whl" || exit 3
       python3 -m pip install -q --no-index --no-deps --no-compile "$cuda_whl" "$whl"/b/*.whl || exit 3
     fi
+    # The router imports llguidance (constrained decoding); its wheel travels in .whl/c.
+    if ! python3 -c 'import llguidance' 2>/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile "$whl"/c/*.whl || exit 3
+    fi
     ;;
 esac
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), mx.device_info())' || exit 3
