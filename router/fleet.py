@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from typing import Any
 from common import costmodel
 from common.costmodel import CostModel
 from common.errors import InsufficientMemory
-from common.protocol import Hello, Limit, Trim
+from common.protocol import ExitCode, Hello, Limit, Trim
 from router import placement
 from router.dispatch import Dispatcher
 from router.models import ModelSpec, resolve
@@ -56,6 +57,7 @@ class Served:
     tokenizer_path: str | None = None
     cost_model: CostModel | None = None
     learned: Footprint | None = None      # from a worker's own report: beats the estimate
+    min_lease_bytes: int = 0              # a worker with less exited: not enough memory
 
     def __post_init__(self) -> None:
         if self.spec.folder is not None:
@@ -128,6 +130,12 @@ class Fleet:
         return self.models[spec.alias] if spec is not None else None
 
     def footprint(self, served: Served) -> Footprint:
+        fp = self._footprint(served)
+        if fp.need_bytes < served.min_lease_bytes:  # a worker found less too small
+            fp = dataclasses.replace(fp, fixed_bytes=served.min_lease_bytes - fp.min_request_bytes)
+        return fp
+
+    def _footprint(self, served: Served) -> Footprint:
         if served.learned is not None:
             return served.learned
         spec = served.spec
@@ -382,7 +390,20 @@ class Fleet:
         return w
 
     def _on_failed(self, sup: Supervisor, reason: str | None) -> None:
-        """A model is unavailable only when every one of its workers has failed."""
+        """A model is unavailable only when every one of its workers has failed. A worker
+        that found its share too small for a minimal request is not failed: the model needs
+        a larger share, and waits for one (or is refused if even the budget is too small)."""
+        w = next((w for w in self.workers.values() if w.sup is sup), None)
+        exit_code = sup.last_exit.code if sup.last_exit is not None else None
+        if reason is not None and w is not None and w.lease_bytes is not None \
+                and exit_code == ExitCode.NO_MEMORY and self.budget_bytes is not None \
+                and w.lease_bytes < self.budget_bytes:
+            served = self.models[w.model]
+            served.min_lease_bytes = w.lease_bytes + placement.MIB
+            log.warning("%s needs more than its %d MiB share; it waits for a larger one",
+                        w.model, w.lease_bytes >> 20)
+            self._retire(w, "its share was too small")
+            return
         workers = [w for w in self.live(sup.model)]
         if reason is None or all(w.sup.state is WorkerState.FAILED for w in workers):
             self.dispatcher.set_unavailable(sup.model, reason)

@@ -59,12 +59,31 @@ def default_alias(source: str) -> str:
     return source  # a repo id or demo, as given
 
 
+def is_repo_id(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith(("/", ".", "~"))
+
+
+def cached_snapshot(repo: str) -> Path | None:
+    """A repo id already in the Hugging Face cache: its folder, without any network."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or no hub library: learned at the first hello
+        return None
+
+
 def spec_for(alias: str | None, source: str) -> ModelSpec:
+    """A model's spec; a folder (or a cached repo) gives its figures and tokenizer at once."""
     path = Path(source).expanduser()
-    folder = path.resolve() if path.is_dir() else None
+    if path.is_dir():
+        folder: Path | None = path.resolve()
+        source = str(folder)
+    else:
+        folder = cached_snapshot(source) if is_repo_id(source) and not path.exists() else None
     figures = folder_figures(folder) if folder is not None else {}
-    return ModelSpec(alias=alias or default_alias(source), source=str(folder or source),
-                     folder=folder, **figures)
+    return ModelSpec(alias=alias or default_alias(source), source=source, folder=folder,
+                     **figures)
 
 
 def folder_figures(folder: Path) -> dict[str, Any]:
