@@ -20,7 +20,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import process_gone, wait_until
+from tests.conftest import wait_until
 from tests.integration.conftest import Proc, Router, isolated_env
 
 LOAD_S = 90.0
@@ -102,6 +102,12 @@ def test_two_models_answer_by_name_and_are_listed(two: Router) -> None:
     listed = {m["id"]: m for m in two.http.get("/v1/models").json()["data"]}
     assert set(listed) == {"alpha", "beta"} and listed["alpha"]["pinned"]
     assert listed["alpha"]["memory"]["weights_bytes"] > 0
+    # Idle past its 1 s keep-alive, beta's worker exits (the router says unloaded once its
+    # process has exited, so the two views agree); pinned alpha stays.
+    wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded after its keep-alive",
+               on_fail=two.log)
+    assert "beta" not in worker_pids(two) and "alpha" in worker_pids(two)
+    assert states(two)["alpha"] == "loaded"
 
 
 def test_unknown_model_is_404_in_each_api_s_shape(two: Router) -> None:
@@ -118,14 +124,23 @@ def test_unknown_model_is_404_in_each_api_s_shape(two: Router) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
-def test_idle_model_unloads_after_keep_alive_and_pinned_stays(two: Router) -> None:
-    complete(two, "beta")
-    pid = wait_until(lambda: worker_pids(two).get("beta"), LOAD_S, "beta's worker")
-    wait_until(lambda: process_gone(pid), 30, "beta's worker to exit after its keep-alive",
-               on_fail=two.log)
-    wait_until(lambda: states(two)["beta"] == "unloaded", 10, "the router to show beta unloaded")
-    assert "beta" not in worker_pids(two) and "alpha" in worker_pids(two)
-    assert states(two)["alpha"] == "loaded"
+def test_an_external_worker_joins_the_model_it_names(two: Router, models: tuple[Path, Path],
+                                                      tmp_path: Path, cache_home: Path) -> None:
+    """Started by hand (as on another Mac), it serves beta: no worker is spawned for it; when
+    it goes, beta is unloaded (and the next test loads it on demand again)."""
+    wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded")
+    before = loads(two, "beta")
+    worker = Proc([sys.executable, "-m", "worker", "--model", str(models[1]), "--router", two.addr],
+                  isolated_env(cache_home, tmp_path), tmp_path / "external.log")
+    try:
+        wait_until(lambda: states(two)["beta"] == "loaded", LOAD_S, "the external worker's hello",
+                   on_fail=worker.log)
+        complete(two, "beta")
+        assert loads(two, "beta") == before, "no worker spawned while the external one serves"
+        assert worker.pid in {w["pid"] for w in two.health()["workers"] if w["model"] == "beta"}
+    finally:
+        assert worker.stop() == 0
+    wait_until(lambda: states(two)["beta"] == "unloaded", 10, "beta unloaded once it left")
 
 
 def test_ten_first_requests_start_one_worker_and_keep_alive_0_unloads(two: Router) -> None:
@@ -139,26 +154,6 @@ def test_ten_first_requests_start_one_worker_and_keep_alive_0_unloads(two: Route
     wait_until(lambda: "beta" not in worker_pids(two), 30, "beta's worker to exit (keep_alive 0)",
                on_fail=two.log)
     wait_until(lambda: states(two)["beta"] == "unloaded", 10, "the router to show beta unloaded")
-
-
-def test_an_external_worker_joins_the_model_it_names(two: Router, models: tuple[Path, Path],
-                                                      tmp_path: Path, cache_home: Path) -> None:
-    """Started by hand (as on another Mac), it serves beta beside spawned workers; when it
-    goes, beta loads on demand again."""
-    wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded")
-    before = loads(two, "beta")
-    worker = Proc([sys.executable, "-m", "worker", "--model", str(models[1]), "--router", two.addr],
-                  isolated_env(cache_home, tmp_path), tmp_path / "external.log")
-    try:
-        wait_until(lambda: states(two)["beta"] == "loaded", LOAD_S, "the external worker's hello",
-                   on_fail=worker.log)
-        complete(two, "beta")
-        assert loads(two, "beta") == before, "no worker spawned while the external one serves"
-        assert worker.pid in {w["pid"] for w in two.health()["workers"] if w["model"] == "beta"}
-    finally:
-        assert worker.stop() == 0
-    complete(two, "beta")  # spawned again, on demand
-    assert loads(two, "beta") == before + 1
 
 
 @pytest.fixture(scope="module")
