@@ -175,7 +175,8 @@ class Fleet:
             served.waiters -= 1
 
     def state_of(self, served: Served) -> ModelState:
-        workers = self.live(served.spec.alias)
+        """Loaded until its last worker's process has exited: only then is its memory back."""
+        workers = [w for w in self.workers.values() if w.model == served.spec.alias]
         if any(w.sup.incarnation in self.dispatcher.links for w in workers):
             return ModelState.LOADED
         if any(w.sup.state in (WorkerState.STARTING, WorkerState.RESTARTING) and w.sup.spawn_spec
