@@ -314,7 +314,8 @@ def _coerce(value: Any, f: dataclasses.Field[Any], cls: type, where: str) -> Any
             raise ValueError(value)
         if kind is tuple:
             if isinstance(value, str):
-                return tuple(value.split())
+                # A model path may hold spaces: one string is one model (a TOML list, several).
+                return (value,) if f.name == "model" else tuple(value.split())
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise ValueError(value)
             return tuple(value)

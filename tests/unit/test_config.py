@@ -401,3 +401,12 @@ def test_every_field_has_help() -> None:
     for cls in (RouterConfig, WorkerConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_a_model_path_with_spaces_is_one_model_and_a_toml_list_several(env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    e = dict(env, MLX_ROUTER_MODEL="/Users/me/My Models/qwen")
+    assert load_router([], e).model == ("/Users/me/My Models/qwen",)
+    path = write(tmp_path / "c.toml", '[router]\nmodel = ["chat=demo", "/m/b c"]\n')
+    assert load_router(["--config", str(path)], env).model == ("chat=demo", "/m/b c")
+    assert load_router(["--model", "a", "--model", "b=demo"], env).model == ("a", "b=demo")
