@@ -93,7 +93,7 @@ def test_static_budget_is_limit_minus_weights_baseline_and_margin() -> None:
     limit, baseline = 16 * GIB, 200 * MIB
     m = static_cost_model(shape, limit_bytes=limit, baseline_bytes=baseline,
                           prefill_step_tokens=512, prefill_batch_size=8)
-    margin = int(limit * MARGIN_FRACTION)  # 5 % of 16 GiB is well above 16 MiB
+    margin = int((limit - 3 * GIB) * MARGIN_FRACTION)  # 5 % of 13 GiB is well above 16 MiB
     assert margin > MIN_MARGIN_BYTES
     assert m.budget_bytes == limit - 3 * GIB - baseline - margin
 
@@ -126,7 +126,7 @@ def test_static_kv_bytes_per_token_formula_and_passthrough() -> None:
 def test_static_budget_is_never_negative(limit: int, weights: int, baseline: int) -> None:
     m = static_cost_model(make_shape(weights_bytes=weights), limit_bytes=limit,
                           baseline_bytes=baseline, prefill_step_tokens=512, prefill_batch_size=8)
-    margin = max(int(limit * MARGIN_FRACTION), MIN_MARGIN_BYTES)
+    margin = max(int(max(limit - weights, 0) * MARGIN_FRACTION), MIN_MARGIN_BYTES)
     assert m.budget_bytes >= 0
     assert m.budget_bytes == max(0, limit - weights - baseline - margin)
 
@@ -305,8 +305,8 @@ def test_static_model_from_a_shape_gives_a_big_chunk_on_an_idle_box() -> None:
 def test_tiny_budget_is_below_a_minimal_request() -> None:
     """worker/boot.py refuses to start (NotEnoughMemory) on exactly this predicate."""
     limit = GIB
-    margin = max(int(limit * MARGIN_FRACTION), MIN_MARGIN_BYTES)
-    shape = make_shape(weights_bytes=limit - margin - 512 * 1024, context_length=4096)
+    weights = limit - MIN_MARGIN_BYTES - 512 * 1024  # little above the weights: the floor applies
+    shape = make_shape(weights_bytes=weights, context_length=4096)
     m = static_cost_model(shape, limit_bytes=limit, baseline_bytes=0,
                           prefill_step_tokens=512, prefill_batch_size=8)
     assert m.budget_bytes == 512 * 1024  # positive, but less than one minimal request needs
@@ -573,3 +573,11 @@ def test_costmodel_module_is_the_one_worker_memory_uses() -> None:
                           prefill_step_tokens=256, prefill_batch_size=4)
     assert isinstance(m, costmodel.CostModel)
     assert dataclasses.asdict(m) == m.to_dict()
+
+
+def test_margin_is_a_share_of_what_is_above_the_weights() -> None:
+    """An 8B 4-bit model (4.63 GB) with 1 GiB above its weights keeps most of that GiB."""
+    weights = 4_630_000_000
+    m = static_cost_model(make_shape(weights_bytes=weights), limit_bytes=weights + GIB,
+                          baseline_bytes=0, prefill_step_tokens=512, prefill_batch_size=8)
+    assert m.budget_bytes == GIB - int(GIB * MARGIN_FRACTION)

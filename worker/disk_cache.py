@@ -1,0 +1,317 @@
+"""The prompt cache's disk tier: per-sequence KV caches that outlive the worker.
+
+The RAM tier hands ``put`` the entries it evicts (or wants kept); a background thread
+writes each with mlx-lm's own ``save_prompt_cache``, one file per token sequence under
+``<root>/<fingerprint>/``. On a RAM miss the RAM tier asks ``longest_prefix``, charges
+``entry_bytes`` to its ledger, then calls ``load``. A restarted worker rebuilds the index
+from the files' headers (worker/disk_format.py), so it is warm for the conversations it
+was serving. Least recently used files go first when ``max_bytes`` would be exceeded.
+
+Trust: a file is loaded only when its name, header, model fingerprint, mlx-lm version,
+token ids and checksum all agree. Anything else (a crash mid-write, a truncated or
+flipped file, another model's or another program's file) is removed and counted, and the
+caller is told "no entry" (None): never an exception, never a wrong cache.
+
+Threads: ``put`` only queues (bounded: a full queue drops and counts); the writer thread
+does the file work, and drops its reference to an entry's arrays as soon as they are on
+disk. Several workers of one model may share a directory: writes are atomic and a file
+another process removed is a miss (``missing``), but each sees the other's new files
+only after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker import disk_format as fmt
+
+log = logging.getLogger(__name__)
+
+# A longer entry trimmed to a prefix is read whole; below this share of it the read costs
+# more than prefilling the tokens it would save.
+MIN_USED_SHARE = 0.125
+MAX_PENDING = 8
+WRITER_CLOSE_TIMEOUT_S = 60.0
+DEFAULT_MAX_BYTES = 16 << 30
+DEFAULT_DISK_SHARE = 0.25       # of the free space where the cache lives, when smaller
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    key: str
+    path: Path
+    ids: np.ndarray             # the token ids the KV covers (int32)
+    file_bytes: int
+    data_bytes: int             # tensor bytes: what loading allocates
+    is_trimmable: bool
+
+    def usable_for(self, query: np.ndarray) -> int:
+        """Leading tokens of ``query`` this entry's KV covers, trimming it where it must."""
+        common = fmt.common_prefix(self.ids, query)
+        if common == len(self.ids):
+            return common
+        if not self.is_trimmable or common < MIN_USED_SHARE * len(self.ids):
+            return 0
+        return common
+
+
+@dataclass(slots=True)
+class _Job:
+    key: str
+    ids: np.ndarray
+    cache: list[Any] | None
+    nbytes: int
+    is_trimmable: bool
+
+
+class DiskTier:
+    """Per-sequence KV caches in safetensors files under ``root/<fingerprint>/``."""
+
+    def __init__(self, root: Path, fingerprint: str, max_bytes: int, *,
+                 max_pending: int = MAX_PENDING, max_pending_bytes: int | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.dir = Path(root) / fmt.dir_name(fingerprint)
+        # 0700 both: the files hold users' prompts (parents=True would make the root 0755).
+        Path(root).mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()   # least recently used first
+        self._pending: dict[str, int] = {}
+        self._counts = dict.fromkeys(("hits", "misses", "writes", "dropped", "too_large",
+                                      "write_errors", "corrupt", "missing", "evictions"), 0)
+        self._closed = False
+        self._rebuild()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self._writer = threading.Thread(target=self._run, name="prompt-cache-disk", daemon=True)
+        self._writer.start()
+
+    # -- the seam the RAM tier calls -------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Queue ``cache`` (covering exactly ``tokens``) for writing; never blocks on disk.
+
+        The writer reads the cache objects and their arrays later: the caller must not
+        change them afterwards (sharing them read-only, as hits do, is fine).
+        """
+        if self._closed or not tokens or self.max_bytes <= 0:
+            return
+        ids = fmt.as_ids(tokens)
+        key = fmt.token_key(ids)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            if key in self._pending:
+                return
+        try:
+            nbytes = fmt.check_and_eval(cache, len(ids))
+        except ValueError as exc:  # the caller's bug costs this entry, never the worker
+            log.warning("prompt cache: not writing an entry of %d tokens: %s", len(ids), exc)
+            with self._lock:
+                self._counts["write_errors"] += 1
+            return
+        with self._lock:
+            if nbytes > self.max_bytes:
+                self._counts["too_large"] += 1
+                return
+            pending_bytes = sum(self._pending.values())
+            if self.max_pending_bytes is not None and pending_bytes + nbytes > self.max_pending_bytes:
+                self._counts["dropped"] += 1
+                return
+            self._pending[key] = nbytes
+        job = _Job(key, ids, list(cache), nbytes, fmt.is_trimmable(cache))
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._lock:
+                self._pending.pop(key, None)
+                self._counts["dropped"] += 1
+
+    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None:
+        """(usable token count, key) of the entry that covers most of ``tokens``.
+
+        An entry whose ids are a prefix of ``tokens`` covers all of its ids; a longer or
+        diverging one covers the common prefix if it can be trimmed (and enough of it is
+        used to be worth the read). Ties go to the smaller file.
+        """
+        query = fmt.as_ids(tokens)
+        with self._lock:
+            entries = list(self._entries.values())
+        best: tuple[int, int, str] | None = None
+        for entry in entries:
+            usable = entry.usable_for(query)
+            if usable > 0 and (best is None or (usable, -entry.data_bytes) > best[:2]):
+                best = (usable, -entry.data_bytes, entry.key)
+        if best is None:
+            with self._lock:
+                self._counts["misses"] += 1
+            return None
+        return best[0], best[2]
+
+    def entry_bytes(self, key: str) -> int:
+        """Bytes of arrays ``load(key, ...)`` will allocate (0 when the key is unknown)."""
+        with self._lock:
+            entry = self._entries.get(key)
+        return entry.data_bytes if entry is not None else 0
+
+    def load(self, key: str, tokens: int) -> list[Any] | None:
+        """The per-layer caches of ``key`` trimmed to ``tokens``; None when the file is gone
+        or cannot be trusted (then it is removed and counted)."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if not 0 < tokens <= len(entry.ids) or (tokens < len(entry.ids) and not entry.is_trimmable):
+            raise ValueError(f"cannot restore {tokens} tokens from an entry of {len(entry.ids)}"
+                             f"{'' if entry.is_trimmable else ' that cannot be trimmed'}")
+        try:
+            cache = fmt.read(entry.path, fingerprint=self.fingerprint, ids=entry.ids)
+        except FileNotFoundError:
+            self._forget(entry, "missing")
+            return None
+        except fmt.CorruptFile as exc:
+            log.warning("prompt cache: removing untrusted %s: %s", entry.path.name, exc)
+            self._forget(entry, "corrupt")
+            return None
+        fmt.trim(cache, len(entry.ids) - tokens)
+        with self._lock:
+            self._counts["hits"] += 1
+            if key in self._entries:
+                self._entries.move_to_end(key)
+        fmt.touch(entry.path)  # the order survives a restart
+        return cache
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._entries),
+                    "bytes": sum(e.file_bytes for e in self._entries.values()),
+                    "pending": len(self._pending), "pending_bytes": sum(self._pending.values()),
+                    **self._counts}
+
+    def close(self, timeout_s: float = WRITER_CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued, then stop the writer (bounded: a stuck disk is logged)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("prompt cache: writer still busy after %.0f s; not waiting", timeout_s)
+            return
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            log.warning("prompt cache: writer did not finish in %.0f s", timeout_s)
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(job)
+            except Exception:  # a disk or format error must not end the writer
+                log.warning("prompt cache: could not write an entry of %d tokens", len(job.ids),
+                            exc_info=True)
+                with self._lock:
+                    self._counts["write_errors"] += 1
+            finally:
+                job.cache = None
+                with self._lock:
+                    self._pending.pop(job.key, None)
+            del job  # no reference to the arrays outlives the write
+
+    def _write(self, job: _Job) -> None:
+        self._make_room(job.nbytes + fmt.header_bytes_estimate(len(job.ids)))
+        assert job.cache is not None
+        path, file_bytes, data_bytes = fmt.write(self.dir, job.key, job.cache, ids=job.ids,
+                                                 fingerprint=self.fingerprint,
+                                                 is_trimmable=job.is_trimmable)
+        job.cache = None
+        with self._lock:
+            self._entries[job.key] = _Entry(job.key, path, job.ids, file_bytes, data_bytes,
+                                            job.is_trimmable)
+            self._counts["writes"] += 1
+        self._make_room(0)
+
+    def _make_room(self, needed_bytes: int) -> None:
+        """Remove least recently used files until ``needed_bytes`` more fit."""
+        while True:
+            with self._lock:
+                used = sum(e.file_bytes for e in self._entries.values())
+                if used + needed_bytes <= self.max_bytes or not self._entries:
+                    return
+                _, victim = self._entries.popitem(last=False)
+                self._counts["evictions"] += 1
+            fmt.remove(victim.path)
+
+    # -- startup and removal ---------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Index what an earlier process left, oldest use first; remove what cannot be trusted."""
+        found, num_bad = fmt.scan(self.dir, self.fingerprint)
+        self._counts["corrupt"] += num_bad
+        for info in found:
+            self._entries[info.key] = _Entry(info.key, info.path, info.ids, info.file_bytes,
+                                             info.data_bytes, info.is_trimmable)
+        self._make_room(0)
+        if found or num_bad:
+            log.info("prompt cache: %d entries (%d bytes) on disk in %s; %d untrusted files removed",
+                     len(self._entries), sum(e.file_bytes for e in self._entries.values()),
+                     self.dir, num_bad)
+
+    def _forget(self, entry: _Entry, reason: str) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            self._counts[reason] += 1
+        if reason == "corrupt":
+            fmt.remove(entry.path)
+
+
+def default_root(env: Mapping[str, str]) -> Path:
+    """``<cache root>/prompt-cache``: beside the demo model and the calibration cache
+    (``$XDG_CACHE_HOME/mlx-headroom``, else ``~/.cache/mlx-headroom``)."""
+    from worker.demo import default_cache_root
+
+    return default_cache_root(env) / "prompt-cache"
+
+
+def default_max_bytes(root: Path) -> int:
+    """16 GiB, or a quarter of the free space where the cache lives if that is less."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+    except OSError:
+        return 0
+    return min(DEFAULT_MAX_BYTES, int(free * DEFAULT_DISK_SHARE))
+
+
+def from_options(*, disk_bytes: int | None, fingerprint: str, env: Mapping[str, str],
+                 root: Path | None = None) -> DiskTier | None:
+    """The disk tier a worker runs with: ``--prompt-cache-disk-bytes`` (None: the default,
+    0: off) under ``root`` (None: ``default_root(env)``). None when it is off or no cache
+    directory can be made (a read-only home costs warm restarts, not the worker)."""
+    if disk_bytes is not None and disk_bytes <= 0:
+        return None
+    try:
+        where = Path(root) if root is not None else default_root(env)
+        limit = disk_bytes if disk_bytes is not None else default_max_bytes(where)
+        if limit <= 0:
+            return None
+        return DiskTier(where, fingerprint, limit)
+    except (OSError, ValueError) as exc:
+        log.warning("prompt cache: no disk tier (%s)", exc)
+        return None
