@@ -70,6 +70,23 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: Sequence[s
     return field(default=default, metadata=meta)
 
 
+# The prompt cache's flags: the worker's, passed through by a router that spawns it.
+_CACHE_OPTS: dict[str, tuple[Any, str]] = {
+    "prompt_cache_bytes": (None, "Most bytes of prompt KV the worker keeps in RAM for reuse "
+                           "(default: half the memory budget above the weights; cached bytes "
+                           "are always given back before a request waits)."),
+    "prompt_cache_entries": (32, "Most prompts the worker keeps in RAM for reuse."),
+    "prompt_cache_disk_bytes": (None, "Most bytes of prompt KV kept on disk, under the user's "
+                                "cache directory (default: the disk tier's own)."),
+    "no_prompt_cache": (False, "Turn prompt reuse off."),
+}
+
+
+def cache_opt(name: str) -> Any:
+    default, help_text = _CACHE_OPTS[name]
+    return opt(default, help_text)
+
+
 def _check_common(cfg: Any) -> None:
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level must be one of {LOG_LEVELS}, got {cfg.log_level!r}")
@@ -83,6 +100,11 @@ def _check_common(cfg: Any) -> None:
         raise ConfigError(f"--oom-guard must be one of {OOM_GUARDS}, got {cfg.oom_guard!r}")
     if cfg.service_manager not in SERVICE_MANAGERS:
         raise ConfigError(f"--service-manager must be one of {SERVICE_MANAGERS}, got {cfg.service_manager!r}")
+    for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.prompt_cache_entries < 0:
+        raise ConfigError(f"--prompt-cache-entries must be >= 0, got {cfg.prompt_cache_entries}")
     if not cfg.model:
         raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
 
@@ -174,6 +196,10 @@ class RouterConfig:
         None, "Spawned worker's OOM guard: abort|raise|off.", choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
+    prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
+    prompt_cache_entries: int = cache_opt("prompt_cache_entries")
+    prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
+    no_prompt_cache: bool = cache_opt("no_prompt_cache")
     service_manager: str = opt(
         "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
         "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
@@ -245,6 +271,10 @@ class WorkerConfig:
         choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
+    prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
+    prompt_cache_entries: int = cache_opt("prompt_cache_entries")
+    prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
+    no_prompt_cache: bool = cache_opt("no_prompt_cache")
     prefill_step_size: int = opt(512, "Largest prefill chunk in tokens.")
     max_batch_size: int = opt(32, "Most sequences decoded together.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)

@@ -136,6 +136,9 @@ class Generate:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     reservation_bytes: int = 0
+    # Token offsets where a chat message ends (system, tools, each turn), ascending and
+    # inside the prompt: the worker may keep the prompt's KV there for the next turn.
+    boundaries: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,12 +154,15 @@ class Cancel:
 class Tokens:
     """Worker → router, one per engine step: ``outputs`` rows are
     ``[request_id, new_token_ids, finish_reason | None]``, with a fourth item when the
-    request asked for logprobs: one ``[logprob, top_ids, top_logprobs]`` per new token."""
+    request asked for logprobs: one ``[logprob, top_ids, top_logprobs]`` per new token.
+    ``cached_tokens`` names, in the message that carries a request's first output, how many
+    of its prompt tokens came from the prefix cache (absent: none)."""
 
     type: ClassVar[str] = "tokens"
     incarnation: int
     step: int
     outputs: list[list[Any]]
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -319,7 +325,9 @@ def _conforms(value: Any, hint: Any) -> bool:
             return all(type(v) is int for v in value)
         return all(_conforms(v, arg) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        _, item = typing.get_args(hint) or (str, Any)
+        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, item)
+                                               for k, v in value.items())
     return False
 
 

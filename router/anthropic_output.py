@@ -51,6 +51,7 @@ class MessagesPresenter:
         self.request_id = request_id
         self.model_id = model_id
         self.input_tokens = input_tokens
+        self.cached_tokens = 0
         self.blocks: list[dict[str, Any]] = []
         self._arguments: dict[int, list[str]] = {}  # block index -> tool input JSON fragments
         self._open: tuple[str, int | None] | None = None  # (block type, tool call index)
@@ -111,18 +112,23 @@ class MessagesPresenter:
 
     # -- the Presenter interface --------------------------------------------------------
 
+    def _usage(self, output_tokens: int) -> dict[str, int]:
+        """Anthropic counts cache reads apart: input + cache read is the whole prompt."""
+        return {"input_tokens": self.input_tokens - self.cached_tokens, "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached_tokens}
+
     def _message(self, reason: str | None, stop_sequence: str | None,
                  output_tokens: int) -> dict[str, Any]:
         return {"id": self.request_id, "type": "message", "role": "assistant",
                 "model": self.model_id, "content": self.blocks, "stop_reason": reason,
-                "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
-                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+                "stop_sequence": stop_sequence, "usage": self._usage(output_tokens)}
 
-    def _start(self) -> bytes:
+    def _start(self, c: Collector | None = None) -> bytes:
         if self._started:
             return b""
         self._started = True
+        if c is not None:  # known from the first tokens; a keepalive before them says none
+            self.cached_tokens = c.cached_tokens
         start = {**self._message(None, None, 0), "content": []}
         return self._event("message_start", message=start) + PING
 
@@ -142,19 +148,20 @@ class MessagesPresenter:
     def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
         c = collectors[0]  # Messages has one choice
         self._end(c)
+        self.cached_tokens = c.cached_tokens
         return self._message(self.stop_reason(c), c.stop_sequence, c.completion_tokens)
 
     def delta(self, c: Collector) -> bytes:
-        return self._start() + self.feed(c.take_chat_delta())
+        return self._start(c) + self.feed(c.take_chat_delta())
 
     def keepalive(self) -> bytes:
         return self._start() or PING
 
     def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:
         c = collectors[0]
-        out = self._start() + self._end(c)
-        usage = {"input_tokens": self.input_tokens, "output_tokens": c.completion_tokens}
-        out += self._event("message_delta", usage=usage,
+        out = self._start(c) + self._end(c)
+        self.cached_tokens = c.cached_tokens
+        out += self._event("message_delta", usage=self._usage(c.completion_tokens),
                            delta={"stop_reason": self.stop_reason(c), "stop_sequence": c.stop_sequence})
         return out + self._event("message_stop")
 

@@ -214,7 +214,7 @@ class Api:
         parsed = parse(body, self.default_max_tokens, self.max_n)
         served = self._served(parsed.model)
         tokenizer = await self._tokenizer_for(served, time.monotonic() + self.queue_timeout_s)
-        prompts, _ = await self._tokenize(tokenizer, parsed)
+        prompts, _, _ = await self._tokenize(tokenizer, parsed, with_boundaries=False)
         return sum(len(ids) for ids in prompts)
 
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -327,7 +327,7 @@ class Api:
         if error is not None:
             raise error
         check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
-        prompts, prompt_text = await self._tokenize(tokenizer, parsed)
+        prompts, prompt_text, boundaries = await self._tokenize(tokenizer, parsed)
         plan = plan_output(parsed, tokenizer, self.tool_parser, prompt_text)
         sampling = parsed.sampling
         if plan.grammar is not None:
@@ -349,7 +349,7 @@ class Api:
             rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
                                  sampling=row_sampling(sampling, index), deadline=deadline,
                                  enqueued_at=now, events=ChoiceEvents(rows.events, index),
-                                 model=served.spec.alias))
+                                 model=served.spec.alias, boundaries=boundaries))
         try:
             for job in rows.jobs:
                 self.dispatcher.submit(job)
@@ -360,19 +360,25 @@ class Api:
         self.metrics.prompt_tokens.inc(rows.prompt_tokens)
         return rows
 
-    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed) -> tuple[list[list[int]], str]:
-        """Each prompt's ids, and a chat's rendered text (for the output plan)."""
+    async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed, *, with_boundaries: bool = True,
+                        ) -> tuple[list[list[int]], str, list[int]]:
+        """Each prompt's ids, a chat's rendered text (for the output plan) and its message
+        boundaries (where the worker may keep the prompt's KV for reuse)."""
         if parsed.messages is not None:
             tools = template_tools(parsed)
             num_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
             num_chars += len(json.dumps(tools)) if tools else 0
 
-            def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+            def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str, list[int]]:
                 text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
-                return tokenizer.encode_rendered(text), text
+                ids = tokenizer.encode_rendered(text)
+                ends = tokenizer.message_boundaries(messages, tools, parsed.template_kwargs, text, ids) \
+                    if with_boundaries else []
+                return ids, text, ends
 
-            ids, text = await self._encode(render_and_encode, parsed.messages, num_chars)
-            return [ids], text
+            ids, text, boundaries = await self._encode(render_and_encode, parsed.messages,
+                                                       num_chars * (4 if with_boundaries else 1))
+            return [ids], text, boundaries
         assert parsed.prompts is not None
         out = []
         for prompt in parsed.prompts:
@@ -382,7 +388,7 @@ class Api:
                 raise BadRequest(f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
             else:
                 out.append(prompt)
-        return out, ""
+        return out, "", []
 
     async def _encode(self, encode: Callable[[Any], Any], what: Any, num_chars: int) -> Any:
         if num_chars <= INLINE_TOKENIZE_CHARS:  # cheaper here than the two thread wakeups of a pool hop

@@ -53,6 +53,16 @@ API = web.AppKey("api", Api)
 VIEWS = web.AppKey("views", StatusViews)
 
 
+def prompt_cache_argv(cfg: RouterConfig) -> list[str]:
+    """The prompt cache flags, passed through to the spawned worker as given."""
+    argv = ["--prompt-cache-entries", str(cfg.prompt_cache_entries)]
+    for flag, value in (("--prompt-cache-bytes", cfg.prompt_cache_bytes),
+                        ("--prompt-cache-disk-bytes", cfg.prompt_cache_disk_bytes)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--no-prompt-cache"] if cfg.no_prompt_cache else [])
+
+
 def worker_argv(cfg: RouterConfig, addr: str, model: str | None = None,
                 limit_mb: int | None = None) -> list[str]:
     """The spawned worker's command; ``limit_mb``: its share of the host budget."""
@@ -68,6 +78,7 @@ def worker_argv(cfg: RouterConfig, addr: str, model: str | None = None,
         argv += ["--oom-guard", cfg.oom_guard]
     if cfg.unsafe_no_admission:
         argv.append("--unsafe-no-admission")
+    argv += prompt_cache_argv(cfg)
     if cfg.trust_remote_code:
         argv.append("--trust-remote-code")
     if cfg.curve_secret_key and addr.startswith("tcp://"):

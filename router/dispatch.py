@@ -172,7 +172,7 @@ class Dispatcher:
         s = job.sampling
         self._send(link, Generate(incarnation=link.incarnation, request_id=job.request_id,
                                   prompt_ids=job.prompt_ids, max_tokens=s.max_tokens,
-                                  sampling=s.params))
+                                  sampling=s.params, boundaries=job.boundaries))
 
     def _send(self, link: WorkerLink, msg: Message) -> None:
         self.channel.send(link.identity, msg)
@@ -348,7 +348,8 @@ class Dispatcher:
             else:
                 if finish is not None:
                     job.state = JobState.DONE
-                job.events.put_nowait(TokenEvent(ids, finish, logprobs))
+                job.events.put_nowait(TokenEvent(ids, finish, logprobs,
+                                                 msg.cached_tokens.get(request_id, 0)))
         self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs
                                               if isinstance(r, list) and len(r) in (3, 4)))
         if finished:

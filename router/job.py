@@ -32,6 +32,7 @@ class TokenEvent:
     finish_reason: str | None
     # One [logprob, top_ids, top_logprobs] per token, when the request asked for them.
     logprobs: list[list[Any]] | None = None
+    cached_tokens: int = 0      # on a row's first event: prompt tokens the worker reused
 
 
 Event = TokenEvent | HeadroomError
@@ -81,6 +82,7 @@ class Job:
     num_dispatches: int = 0
     dispatched_at: float | None = None
     first_token_at: float | None = None
+    boundaries: list[int] = field(default_factory=list)   # message ends in the prompt (prefix cache)
 
     @property
     def total_tokens(self) -> int:

@@ -45,6 +45,7 @@ class Collector:
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stops) if stops else None
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0          # prompt tokens the worker's prefix cache supplied
         self.completion_tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -56,6 +57,8 @@ class Collector:
     def feed(self, event: TokenEvent) -> None:
         if self.finished:
             return
+        if event.cached_tokens > 0:
+            self.cached_tokens = min(event.cached_tokens, self.prompt_tokens)
         self.completion_tokens += len(event.token_ids)
         if event.logprobs is not None:
             for token, row in zip(event.token_ids, event.logprobs):
@@ -137,10 +140,18 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def usage(collectors: list[Collector], prompt_tokens: int) -> dict[str, int]:
+def cached_tokens(collectors: list[Collector], prompt_tokens: int) -> int:
+    """Prompt tokens served from the prefix cache: each row's share, so n choices of one
+    prompt count it once (as ``prompt_tokens`` does)."""
+    rows_prompt = sum(c.prompt_tokens for c in collectors)
+    return sum(c.cached_tokens for c in collectors) * prompt_tokens // max(rows_prompt, 1)
+
+
+def usage(collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
     completion = sum(c.completion_tokens for c in collectors)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(collectors, prompt_tokens)}}
 
 
 class Formatter:

@@ -129,7 +129,7 @@ class ResponsesPresenter:
         if c is not None:
             body["usage"] = {"input_tokens": c.prompt_tokens, "output_tokens": c.completion_tokens,
                              "total_tokens": c.prompt_tokens + c.completion_tokens,
-                             "input_tokens_details": {"cached_tokens": 0},
+                             "input_tokens_details": {"cached_tokens": c.cached_tokens},
                              "output_tokens_details": {"reasoning_tokens": 0}}
         return body
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import resources
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.version import __version__
 from router.access import AUTHORIZED
@@ -83,6 +85,51 @@ class Metrics:
         self.history = History()  # the last minutes, for the status page
 
 
+class PromptCacheMetrics:
+    """The workers' prompt caches, read from their latest reports at each scrape, summed over
+    the workers: counters are the workers' own totals (a restarted or unloaded worker starts
+    again from zero, which Prometheus reads as a counter reset), gauges bytes and entries per
+    tier."""
+
+    def __init__(self, reports: Callable[[], list[dict[str, Any]]]) -> None:
+        self._reports = reports
+
+    def collect(self) -> Iterator[Metric]:
+        caches = [c for r in self._reports() if isinstance(c := r.get("prompt_cache"), dict)
+                  and c.get("enabled")]
+        if not caches:
+            return
+        for name, what in (("hits", "Prompts that reused cached KV."),
+                           ("misses", "Prompts that found nothing to reuse."),
+                           ("cached_tokens", "Prompt tokens served from the cache.")):
+            yield CounterMetricFamily(f"headroom_prompt_cache_{name}", what,
+                                      value=sum(_int(c.get(name)) or 0 for c in caches))
+        evictions = CounterMetricFamily("headroom_prompt_cache_evictions",
+                                        "Cache entries evicted, by reason.", labels=["reason"])
+        for reason, n in _summed(c.get("evictions") for c in caches).items():
+            evictions.add_metric([reason], n)
+        yield evictions
+        size = GaugeMetricFamily("headroom_prompt_cache_bytes", "Cached KV bytes, by tier.", labels=["tier"])
+        count = GaugeMetricFamily("headroom_prompt_cache_entries", "Cache entries, by tier.", labels=["tier"])
+        tiers = [t for c in caches if isinstance(t := c.get("tiers"), dict)]
+        for tier, n in _summed({k: v.get("bytes") for k, v in t.items() if isinstance(v, dict)}
+                               for t in tiers).items():
+            size.add_metric([tier], n)
+        for tier, n in _summed({k: v.get("entries") for k, v in t.items() if isinstance(v, dict)}
+                               for t in tiers).items():
+            count.add_metric([tier], n)
+        yield from (size, count)
+
+
+def _summed(maps: Any) -> dict[str, int]:
+    """Per-key sums of numeric maps (None and non-maps skipped)."""
+    out: dict[str, int] = {}
+    for m in maps:
+        for key, value in (m or {}).items() if isinstance(m, dict) else ():
+            out[str(key)] = out.get(str(key), 0) + (_int(value) or 0)
+    return out
+
+
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
                  "headroom_bytes", "reserved_bytes")
 # The worker report's fields the status page shows (the rest stays in /v1/memory).
@@ -112,6 +159,8 @@ class StatusViews:
         self.is_draining = is_draining
         self.tokenizer_ready = tokenizer_ready   # (tokenizer path) -> loaded?
         self.warnings = list(warnings or [])
+        metrics.registry.register(PromptCacheMetrics(
+            lambda: [link.status for link in dispatcher.links.values() if link.status]))
 
     def _link(self, incarnation: int | None) -> WorkerLink | None:
         return self.dispatcher.links.get(incarnation) if incarnation is not None else None

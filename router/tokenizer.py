@@ -220,7 +220,8 @@ class RouterTokenizer:
         return token if token is not None and token in self._special_ids else None
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None, *,
+                    add_generation_prompt: bool = True) -> str:
         """The chat as text: the model's template, or the fallback format without one.
 
         ``tools`` (OpenAI's function shapes) and ``template_kwargs`` (``enable_thinking``
@@ -231,17 +232,42 @@ class RouterTokenizer:
             raise BadRequest(self._template_error, param="messages")
         if self._template is None:
             lines = [f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in chat]
-            return "".join(lines) + FALLBACK_GENERATION_PROMPT
+            return "".join(lines) + (FALLBACK_GENERATION_PROMPT if add_generation_prompt else "")
         try:
             extra = {k: v for k, v in (template_kwargs or {}).items()
                      if k not in ("messages", "tools", "documents", "add_generation_prompt")}
             return self._template.render(
-                **{**self._template_vars, **extra},
-                messages=chat, tools=tools or None, documents=None, add_generation_prompt=True,
+                **{**self._template_vars, **extra}, messages=chat, tools=tools or None,
+                documents=None, add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # untrusted code: any failure is this request's problem
             log.debug("chat template failed: %r", exc)
             raise BadRequest(f"chat template error: {exc}", param="messages") from exc
+
+    def message_boundaries(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                           template_kwargs: dict[str, Any] | None, text: str, ids: list[int]) -> list[int]:
+        """Token offsets in ``ids`` (the chat ``text`` encoded) where a prefix of the chat
+        ends: the system message (with the tools the template puts beside it) and the last
+        two messages. The worker keeps the prompt's KV there, so the next turn, a retried
+        last turn or another chat with the same system prompt reuses it; earlier turns'
+        ends were stored when they were the last. A prefix is kept only when its own
+        rendering is a token prefix of the whole (templates may render a message
+        differently once another follows it; BPE may merge across the cut)."""
+        ends = {len(messages), len(messages) - 1}
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") in ("system", "developer"):
+            ends.add(1)
+        found: set[int] = set()
+        for k in sorted(e for e in ends if e >= 1):
+            try:
+                prefix = self.render_chat(messages[:k], tools, template_kwargs, add_generation_prompt=False)
+            except BadRequest:
+                continue  # a template may refuse a partial chat: no boundary there
+            if not prefix or not text.startswith(prefix):
+                continue
+            prefix_ids = self.encode_rendered(prefix)
+            if 0 < len(prefix_ids) < len(ids) and ids[:len(prefix_ids)] == prefix_ids:
+                found.add(len(prefix_ids))
+        return sorted(found)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, without special tokens; the detokenizers' deltas add up to this."""

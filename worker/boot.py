@@ -21,6 +21,7 @@ from worker.grammar import GrammarCompiler
 from worker.loader import LoadedModel, context_length
 from worker.devices import make_probe
 from worker.memory import MemoryState, ModelShape, static_cost_model
+from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
 from worker.server import ServerOptions, WorkerServer
 from worker.warmup import warm_up
 
@@ -124,10 +125,24 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    server = WorkerServer(opts, engine, memory, hello)
+    server = WorkerServer(opts, engine, memory, hello, cache=make_prefix_cache(cfg, model))
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
+
+
+def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
+                      disk: DiskTier | None = None) -> PrefixCache | None:
+    """The RAM tier, over the disk tier when one is given (``worker/disk_cache.py``)."""
+    if cfg.no_prompt_cache:
+        log.info("prompt cache off")
+        return None
+    max_bytes = cfg.prompt_cache_bytes
+    if max_bytes is None:
+        max_bytes = int(model.budget_bytes * DEFAULT_BUDGET_SHARE)
+    log.info("prompt cache: up to %d MiB and %d entries in RAM%s", max_bytes >> 20,
+             cfg.prompt_cache_entries, ", and a disk tier" if disk is not None else "")
+    return PrefixCache(max_bytes=max_bytes, max_entries=cfg.prompt_cache_entries, disk=disk)
 
 
 def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:

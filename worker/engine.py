@@ -9,6 +9,12 @@ for which waiting rows join the next prefill chunk (``_next_prefill``); the chun
 a plain attribute set between steps. ``tests/`` pins both (``prefill_step_size``,
 ``prefill_batch_size``, ``completion_batch_size``, ``insert(..., samplers=,
 stop_sequences=)``, ``remove``, and the mirror against the generator's own choice).
+
+With a prefix cache (``worker/prefix_cache.py``), a request may start from a cached prefix
+(``insert(caches=, all_tokens=)``: only the rest is prefilled) and its prompt is inserted
+in segments cut at the chat's message boundaries, where the generator stops a chunk: each
+boundary's KV is extracted for the cache there, and a finished row's KV at its end
+(``extract_cache`` and the finished response's ``prompt_cache``, as mlx-lm's server does).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from common.protocol import SamplingParams
 from worker.grammar import GrammarCompiler
+from worker.prefix_cache import Hit, PrefixCache
 from worker.sampling import logprob_rows, make_processors, make_sampler
 
 log = logging.getLogger(__name__)
@@ -36,13 +45,18 @@ class Running:
     max_tokens: int
     num_logprobs: int | None = None
     generated: int = 0
-    prefilled: int = 0          # prompt tokens processed (the generator's ``progress``)
+    prefilled: int = 0          # prompt tokens processed after the cached ones (``progress``)
     decoding: bool = False      # the prompt is done (``end_of_prompt``)
+    cached_tokens: int = 0      # prompt tokens that came from the prefix cache
+    hit: Hit | None = None      # the cache entry it holds until it joins the batch
+    prompt_ids: list[int] | None = None     # kept while boundaries are left to store
+    boundaries: list[int] | None = None     # message ends still to store, ascending
 
     @property
     def prompt_left(self) -> int:
         """Prompt tokens still to prefill before the last one (fed when decoding starts)."""
-        return 0 if self.decoding else max(0, self.prompt_tokens - 1 - self.prefilled)
+        rest = self.prompt_tokens - self.cached_tokens
+        return 0 if self.decoding else max(0, rest - 1 - self.prefilled)
 
     @property
     def total_tokens(self) -> int:
@@ -57,6 +71,7 @@ class Output:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[list[Any]] | None = None  # [logprob, top_ids, top_logprobs] per token
+    cached_tokens: int | None = None         # set on a request's first output
 
 
 class Engine:
@@ -79,6 +94,15 @@ class Engine:
         self._by_uid: dict[int, Running] = {}
         self.num_steps = 0
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
+        self.cache: PrefixCache | None = None
+        self.kv_bytes_per_token = 0         # to charge an extraction before it is made
+        # A cache that cannot trim (recurrent state) cannot serve an exact re-send from the
+        # whole prompt: its prompt is also kept one token short.
+        self.can_trim = can_trim_prompt_cache(make_prompt_cache(model))
+        # Stored after the step (``store_pending``): rows at a message boundary, and the KV
+        # of rows that finished.
+        self._at_boundaries: list[int] = []
+        self._finished: list[tuple[list[int], list[Any]]] = []
 
     @property
     def has_work(self) -> bool:
@@ -89,15 +113,26 @@ class Engine:
         self.generator.prefill_step_size = tokens
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
-            sampling: SamplingParams = SamplingParams()) -> None:
-        (uid,) = self.generator.insert(
-            [prompt_ids],
+            sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
+            boundaries: list[int] | None = None) -> None:
+        """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
+        ``boundaries`` (message ends) cut the rest into segments whose KV is stored."""
+        cached = hit.tokens if hit is not None else 0
+        ends = [*(boundaries or ()), *([] if self.can_trim else [len(prompt_ids) - 1])]
+        cuts = sorted({b for b in ends if cached < b < len(prompt_ids)}) if self.cache else []
+        edges = [cached, *cuts, len(prompt_ids)]
+        (uid,) = self.generator.insert_segments(
+            [[prompt_ids[a:b] for a, b in zip(edges, edges[1:])]],
             max_tokens=[max_tokens],
+            caches=[hit.views] if hit is not None else None,
+            all_tokens=[prompt_ids[:cached]] if hit is not None else None,
             samplers=[make_sampler(sampling)],
             logits_processors=[make_processors(sampling, self.grammars)],
             stop_sequences=[self._no_eos if sampling.ignore_eos else self._eos],
         )
-        run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs)
+        run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs,
+                      cached_tokens=cached, hit=hit, prompt_ids=prompt_ids if cuts else None,
+                      boundaries=cuts or None)
         self.running[request_id] = run
         self._by_uid[uid] = run
 
@@ -107,12 +142,26 @@ class Engine:
             return False
         del self._by_uid[run.uid]
         self.generator.remove([run.uid])
+        self._joined(run)
         return True
+
+    def _joined(self, run: Running) -> None:
+        """The row's copy of its cached prefix is made (or it is gone): the entry is no
+        longer promised to it."""
+        if run.hit is not None and self.cache is not None:
+            self.cache.release(run.hit)
+        run.hit = None
+
+    def joining_bytes(self) -> int:
+        """Cached entries whose rows have not joined the batch: their copy is still to come."""
+        return sum(r.hit.nbytes for r in self.running.values() if r.hit is not None)
 
     def cancel_all(self) -> list[str]:
         ids = list(self.running)
         for request_id in ids:
             self.cancel(request_id)
+        self._finished.clear()  # after a failed step, nothing of it is kept
+        self._at_boundaries.clear()
         return ids
 
     def step(self) -> list[Output]:
@@ -126,13 +175,20 @@ class Engine:
             if run is not None:
                 run.prefilled = int(p.progress[0])
                 run.decoding = run.decoding or bool(p.end_of_prompt)
+                self._joined(run)
+                if p.end_of_segment and not p.end_of_prompt and self._at_boundary(run):
+                    self._at_boundaries.append(p.uid)
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
         for r in responses:
-            # A finished response holds its prompt cache, which pins the whole batch's
-            # cache buffers; drop it at once.
-            r.prompt_cache = None
             run = self._by_uid.get(r.uid)
+            if self.cache is not None and run is not None and r.finish_reason is not None \
+                    and r.prompt_cache is not None and r.all_tokens:
+                # Stored once the finished row's promise is released (``store_pending``).
+                self._finished.append((list(r.all_tokens), r.prompt_cache))
+            # A finished response's prompt cache pins the whole batch's cache buffers: only
+            # the copy for the prefix cache may keep it, and only until it is made.
+            r.prompt_cache = None
             if run is None:
                 continue
             run.decoding = True
@@ -145,11 +201,57 @@ class Engine:
             if run.num_logprobs is not None and ids:
                 wanted.append((r.logprobs, r.token, run.num_logprobs))
             outputs.append(Output(run.request_id, ids, r.finish_reason,
-                                  [] if run.num_logprobs is not None else None))
+                                  [] if run.num_logprobs is not None else None,
+                                  run.cached_tokens if run.generated == 1 else None))
         for out, row in zip((o for o in outputs if o.logprobs is not None and o.token_ids),
                             logprob_rows(wanted)):
             out.logprobs.append(row)
         return outputs
+
+    # -- the prefix cache's stores ---------------------------------------------------
+
+    def _at_boundary(self, run: Running) -> bool:
+        """The row's last chunk ended at one of its message boundaries."""
+        done = run.cached_tokens + run.prefilled
+        if not run.boundaries or done not in run.boundaries:
+            return False
+        run.boundaries = [b for b in run.boundaries if b > done] or None
+        return True
+
+    def _store_boundaries(self, uids: list[int]) -> None:
+        assert self.cache is not None
+        wanted = [u for u in uids if self._wants(self._by_uid[u].cached_tokens + self._by_uid[u].prefilled,
+                                                 self._by_uid[u].prompt_ids or [])]
+        for uid, (cache, tokens) in self.generator.extract_cache(wanted).items():
+            self._store(tokens, cache, keep=False, asked=True)
+        for uid in uids:
+            run = self._by_uid[uid]
+            if not run.boundaries:
+                run.prompt_ids = None
+
+    def _wants(self, num_tokens: int, prompt: list[int]) -> bool:
+        assert self.cache is not None
+        return self.cache.wants(num_tokens, prompt, num_tokens * self.kv_bytes_per_token)
+
+    def store_pending(self) -> None:
+        """Copy into the prefix cache what the last step reached: rows at a message boundary
+        (the batch stands still until the next step) and rows that finished. Called after
+        the step's peak is measured and finished rows' promises are released, so the copies
+        are neither taken for the batch's peak nor made from memory promised to it."""
+        uids = [u for u in self._at_boundaries if u in self._by_uid]
+        finished, self._at_boundaries, self._finished = self._finished, [], []
+        if uids:
+            self._store_boundaries(uids)
+        for tokens, cache in finished:
+            self._store(tokens, cache, keep=True)
+
+    def _store(self, tokens: list[int] | None, cache: list[Any], *, keep: bool, asked: bool = False) -> None:
+        """Evaluate one row's extracted caches (its own buffers, so the batch's can go) and
+        hand them to the prefix cache; a copy the gate has no room for is never made."""
+        if self.cache is None or not tokens or (not asked and not self._wants(len(tokens), tokens)):
+            return
+        mx.eval([c.state for c in cache])
+        self.cache.store(list(tokens), cache, keep=keep)
 
     def _next_prefill(self) -> list[Running]:
         """The rows the next step's prefill chunk covers: a mirror of BatchGenerator._next.

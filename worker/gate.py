@@ -16,6 +16,15 @@ the engine only through an ``EngineView``; it never touches a socket or MLX. The
   below the fitted model (``ScaleTracker``).
 - ``memory_error`` handles a caught out-of-memory error; ``is_memory_error`` says which
   exceptions are one (anything else is a bug, not a reason to blame memory).
+
+Memory classes: *fixed* (weights, baseline), *promised* (the running batch's reserved worst
+case, and prefix-cache entries handed to a request that has not joined the batch yet),
+*transient* (one step's working memory; the copy a cache hit makes when it joins the batch
+is charged to that step) and *evictable* (prefix-cache entries no request holds, seen
+through a ``CacheView``). Evictable bytes are used memory, never counted as free for
+promised work nor credited to admission; they are given back, least recently used first,
+before a request would wait (``can_admit``), before a chunk is shrunk (``chunk``) and long
+before a running request is stopped under pressure (``pressure``).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import logging
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from common import costmodel
 from common.costmodel import CostModel
@@ -68,12 +77,43 @@ def is_memory_error(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheLedger:
+    """The prefix cache's bytes in RAM, by class."""
+
+    resident_bytes: int = 0         # every entry held in RAM
+    promised_bytes: int = 0         # entries handed to requests not yet in the batch
+
+    @property
+    def evictable_bytes(self) -> int:
+        return max(0, self.resident_bytes - self.promised_bytes)
+
+
+class CacheView(Protocol):
+    """What the gate may ask of the prefix cache: its ledger, and to give bytes back
+    (least recently used, whole entries, never a promised one); returns the bytes freed."""
+
+    def ledger(self) -> CacheLedger: ...
+    def evict(self, nbytes: int, reason: str) -> int: ...
+
+
+class NoCache:
+    """The ledger of a worker without a prefix cache."""
+
+    def ledger(self) -> CacheLedger:
+        return CacheLedger()
+
+    def evict(self, nbytes: int, reason: str) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineView:
     """What the gate needs to know of the engine, as plain numbers."""
 
     running_totals: list[int]       # prompt + max_tokens of each running row, oldest first
     prefilling: int = 0             # rows whose prompt is not fully processed yet
     prefill_rows: int = 0           # rows the next step's prefill chunk covers
+    joining_bytes: int = 0          # cache hits whose rows join the batch next step: their copy
 
     @property
     def rows(self) -> int:
@@ -164,8 +204,10 @@ class MemoryGate:
     """The worker's memory policy: admission, reservations, chunk, pressure, calibration."""
 
     def __init__(self, memory: MemoryState, *, fitted: CostModel, admission: bool,
-                 max_running: int, now: float) -> None:
+                 max_running: int, now: float, cache: CacheView | None = None) -> None:
         self.memory = memory
+        self.cache: CacheView = cache or NoCache()
+        self._resident_at_step = 0
         self.fitted = dataclasses.replace(fitted, scale=1.0)
         self.admission = admission
         self.max_running = max_running
@@ -200,6 +242,15 @@ class MemoryGate:
             # The buffer cache is reclaimable, not lost: clear it before saying "no room".
             self.memory.probe.clear_cache()
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
+        old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
+        while not fits and worst <= m.budget_bytes:
+            # Cached prompts no request holds go before any request waits for memory (only
+            # when giving them back is enough: otherwise the request waits for running rows).
+            shortfall = worst - old_worst - self.free_bytes()
+            if not 0 < shortfall <= self.cache.ledger().evictable_bytes \
+                    or self.cache.evict(shortfall, "admission") <= 0:
+                break
+            fits, worst = self._fits(view, prompt_tokens, max_tokens)
         if not fits:
             return Decision(RejectReason.NOT_NOW, "no room now", worst)
         return Decision(None, worst_bytes=worst)
@@ -219,16 +270,31 @@ class MemoryGate:
                                   view.prefilling, self.free_bytes())
 
     def allocated_bytes(self) -> int:
-        """What running rows already hold above weights and baseline."""
+        """What running rows already hold above weights, baseline and the prefix cache."""
         mem = self.memory
         r = mem.last or mem.refresh()
-        return max(0, r.active_bytes - mem.idle_active_bytes)
+        return max(0, r.active_bytes - mem.idle_active_bytes - self.cache.ledger().resident_bytes)
 
     def free_bytes(self) -> int:
-        """Live headroom minus what is promised to running rows but not yet allocated."""
+        """Live headroom minus what is promised to running rows but not yet allocated
+        (evictable cache bytes are used, not free: they are never credited)."""
         self.memory.refresh()
         promised = max(0, self.memory.reserved_bytes - self.allocated_bytes())
         return self.memory.headroom_bytes() - promised
+
+    def can_hold(self, nbytes: int) -> bool:
+        """May the prefix cache take ``nbytes`` more now (a store, a restore from disk)?
+        Only from what is free beyond every promise and within the budget beside the
+        batch's worst case; the cache never evicts a request's room to keep an entry."""
+        if not self.admission:
+            return True
+        within_budget = (self.memory.reserved_bytes + self.cache.ledger().resident_bytes + nbytes
+                         <= self.model.budget_bytes)
+        if not within_budget:
+            return False
+        if nbytes > self.free_bytes() and self.memory.last is not None and self.memory.last.cache_bytes:
+            self.memory.probe.clear_cache()  # MLX's buffer cache is reclaimable: not a reason to skip
+        return nbytes <= self.free_bytes()
 
     # -- the step ----------------------------------------------------------------------
 
@@ -238,8 +304,18 @@ class MemoryGate:
         admission assumed; it is not charged twice)."""
         if not self.admission or not view.rows:
             return paced
-        return costmodel.chunk_that_fits(self.model, view.rows, view.longest, max(view.prefill_rows, 1),
-                                         view.longest, self.model.budget_bytes, paced)
+        m, rows = self.model, max(view.prefill_rows, 1)
+
+        def room() -> int:  # the budget beside the cache's entries and this step's join copies
+            return m.budget_bytes - self.cache.ledger().resident_bytes - view.joining_bytes
+
+        chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
+        if chunk < paced and self.cache.ledger().evictable_bytes:
+            # Cached prompts go before the chunk shrinks.
+            need = costmodel.batch_cost_bytes(m, view.rows, view.longest, paced, rows, view.longest) - room()
+            if self.cache.evict(max(need, 1), "chunk") > 0:
+                chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
+        return chunk
 
     def pressure(self, view: EngineView, chunk_tokens: int) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
@@ -256,6 +332,11 @@ class MemoryGate:
         if not action.admit and last is not None and last.cache_bytes:
             mem.probe.clear_cache()  # reclaimable: try that before anything drastic
             return PressureAction(admit=not self.under_pressure, chunk_tokens=chunk_tokens, evict=0)
+        if not action.admit and self.cache.ledger().evictable_bytes:
+            # Then cached prompts, before the chunk shrinks or any request is stopped.
+            shortage = max(0, mem.reserved_bytes - allocated) - mem.headroom_bytes()
+            if self.cache.evict(max(shortage, 1), "pressure") > 0:
+                return PressureAction(admit=not self.under_pressure, chunk_tokens=chunk_tokens, evict=0)
         if action.admit != (not self.under_pressure):
             log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B",
                         "ended" if action.admit else "began", mem.headroom_bytes(),
@@ -270,17 +351,20 @@ class MemoryGate:
         one (mlx-lm filters lazily), so the previous step's batch is charged too.
         """
         m = self.fitted
+        self._resident_at_step = self.cache.ledger().resident_bytes
         if not view.rows:
             return 0
         now = costmodel.batch_cost_bytes(m, view.rows, view.longest, chunk_tokens if view.prefill_rows else 0,
                                          view.prefill_rows, view.longest)
         before = costmodel.batch_cost_bytes(m, previous.rows, previous.longest, 0, 0, 0) if previous else 0
-        return max(now, before)
+        return max(now, before) + view.joining_bytes
 
     def observe_step(self, predicted_fitted: int, now: float) -> bool:
         """Compare the step's measured peak with the prediction. True: the model changed."""
         mem = self.memory
-        measured = mem.probe.step_peak() - mem.idle_active_bytes
+        # The prefix cache's entries are not the batch's: before the step, and any it stored.
+        cached = max(self._resident_at_step, self.cache.ledger().resident_bytes)
+        measured = mem.probe.step_peak() - mem.idle_active_bytes - cached
         changed = self.tracker.observe(measured, predicted_fitted, now)
         mem.worst_measured_over_predicted = self.tracker.worst_ratio
         if changed:

@@ -33,6 +33,7 @@ from worker.engine import Engine, Output
 from worker.gate import EngineView, MemoryGate, is_memory_error
 from worker.memory import MemoryState
 from worker.pacer import ChunkPacer
+from worker.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +109,19 @@ class WorkerServer:
     """Receive and handle messages, step the engine, publish outputs and status."""
 
     def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, cache: PrefixCache | None = None) -> None:
         self.opts = opts
         self.engine = engine
         self.memory = memory
         self.hello = hello
         self.clock = clock
         self.gate = MemoryGate(memory, fitted=memory.model, admission=opts.admission,
-                               max_running=opts.max_running, now=clock())
+                               max_running=opts.max_running, now=clock(), cache=cache)
+        self.cache = cache
+        if cache is not None:  # the cache keeps only what the gate has room for
+            cache.room = self.gate.can_hold
+            engine.cache = cache
+            engine.kv_bytes_per_token = memory.model.kv_bytes_per_token
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
@@ -136,7 +142,7 @@ class WorkerServer:
     def view(self) -> EngineView:
         e = self.engine
         return EngineView(running_totals=e.totals(), prefilling=e.num_prefilling(),
-                          prefill_rows=e.prefill_rows())
+                          prefill_rows=e.prefill_rows(), joining_bytes=e.joining_bytes())
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -188,6 +194,8 @@ class WorkerServer:
             self.send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
         self.send(Shutdown(incarnation=self.opts.incarnation, reason=self.stop_reason or ""))
         self.heartbeat.stopped.set()
+        if self.cache is not None:
+            self.cache.close()
         self.sock.close(0)
         self.ctx.term()
         return self.exit_code
@@ -235,8 +243,10 @@ class WorkerServer:
             self.set_limit(msg.limit_bytes)
 
     def trim(self) -> None:
-        """Another model needs room: give back what is evictable (MLX's buffer cache; the
-        prompt cache, where there is one, hooks in here) and report the result."""
+        """Another model needs room: give back what is evictable (the prompt cache's RAM
+        entries no request holds, MLX's buffer cache) and report the result."""
+        if self.cache is not None:
+            self.cache.evict(self.cache.ledger().resident_bytes, "trim")
         self.memory.probe.clear_cache()
         self._changed = True
         log.info("trimmed on the router's request")
@@ -259,6 +269,8 @@ class WorkerServer:
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""
         reject = self._validate(msg)
+        # Taken (promised) before admission may evict: the entry this request reuses stays.
+        hit = self.cache.lookup(msg.prompt_ids) if reject is None and self.cache is not None else None
         if reject is None:
             decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
             if not decision.admit:
@@ -267,14 +279,18 @@ class WorkerServer:
                           decision.needed_bytes, extra=about(msg.request_id))
                 reject = self._reject(msg, decision.reason, decision.message, decision.needed_bytes)
         if reject is not None:
+            if hit is not None and self.cache is not None:
+                self.cache.release(hit)
             self.send(reject)
             return
+        if self.cache is not None:
+            self.cache.record(hit)
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                        sampling=msg.sampling)
+                        sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
         self.gate.reserve(decision)
         self._changed = True
-        log.debug("admitted: %d prompt tokens, max_tokens %d", len(msg.prompt_ids), msg.max_tokens,
-                  extra=about(msg.request_id))
+        log.debug("admitted: %d prompt tokens (%d cached), max_tokens %d", len(msg.prompt_ids),
+                  hit.tokens if hit else 0, msg.max_tokens, extra=about(msg.request_id))
 
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
@@ -325,9 +341,7 @@ class WorkerServer:
             outputs = self.engine.step()
             self._guard()
         except Exception as exc:
-            if is_memory_error(exc):
-                return self._recover(exc)
-            return self._crash(exc)
+            return self._failed(exc)
         elapsed = time.monotonic() - started
         if self.gate.observe_step(predicted, self.clock()):
             self._changed = True
@@ -336,7 +350,15 @@ class WorkerServer:
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())
+        try:
+            self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
+            self._guard()
+        except Exception as exc:
+            return outputs + self._failed(exc)
         return outputs
+
+    def _failed(self, exc: BaseException) -> list[Output]:
+        return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
 
     def _size_chunk(self) -> EngineView:
         """The next prefill chunk: within the step-time budget and the gate's memory."""
@@ -409,7 +431,9 @@ class WorkerServer:
             for o in outputs:
                 if o.finish_reason is not None:
                     log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
-        self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows))
+        cached = {o.request_id: o.cached_tokens for o in outputs if o.cached_tokens}
+        self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows,
+                         cached_tokens=cached))
 
     def publish_status(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -423,6 +447,7 @@ class WorkerServer:
         report["bad_frames"] = self.num_bad_frames
         report["worst_step_s"] = round(self._worst_step_s, 4)
         report["safe_prefill_chunk"] = self.chunk_tokens
+        report["prompt_cache"] = self.cache.report() if self.cache is not None else {"enabled": False}
         self.send(Status(incarnation=self.opts.incarnation, report=report))
 
     def send(self, msg: Any) -> None:

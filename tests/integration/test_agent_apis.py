@@ -88,11 +88,13 @@ def test_messages_is_the_chat_request(claude: anthropic.Anthropic, chat_answer: 
     assert message.content[0].text == chat_answer.choices[0].message.content  # type: ignore[union-attr]
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
         chat_answer.choices[0].finish_reason]
-    assert message.usage.input_tokens == chat_answer.usage.prompt_tokens
+    # Anthropic counts cache reads apart: the two make the whole prompt.
+    whole = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    assert whole == chat_answer.usage.prompt_tokens
     assert message.usage.output_tokens == chat_answer.usage.completion_tokens
     counted = claude.messages.count_tokens(model="claude-sonnet-4-5", system=SYSTEM_BLOCKS,  # type: ignore[arg-type]
                                            messages=[{"role": "user", "content": QUESTION}])
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == whole
 
 
 def test_messages_stream(router: Router, claude: anthropic.Anthropic, chat_answer: Any) -> None:
@@ -268,7 +270,7 @@ def test_messages_tool_result_turn(claude: anthropic.Anthropic) -> None:
                                      tools=CLAUDE_TOOLS, extra_body=GREEDY)
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = claude.messages.count_tokens(model="m", messages=history, tools=CLAUDE_TOOLS)  # type: ignore[arg-type]
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
 
 
 def test_messages_structured_output(claude: anthropic.Anthropic) -> None:
@@ -331,7 +333,8 @@ def test_a_claude_code_request_is_served(router: Router) -> None:
                                      "anthropic-beta": "claude-code-20250219"}) as stream:
         assert stream.status_code == 200, stream.read()
         events = sse_events(stream.iter_lines())
-    assert events[0][1]["message"]["usage"]["input_tokens"] == resp.json()["input_tokens"]
+    usage = events[0][1]["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == resp.json()["input_tokens"]
     assert [name for name, _ in events][-1] == "message_stop"
 
 

@@ -410,3 +410,16 @@ def test_a_model_path_with_spaces_is_one_model_and_a_toml_list_several(env: dict
     path = write(tmp_path / "c.toml", '[router]\nmodel = ["chat=demo", "/m/b c"]\n')
     assert load_router(["--config", str(path)], env).model == ("chat=demo", "/m/b c")
     assert load_router(["--model", "a", "--model", "b=demo"], env).model == ("a", "b=demo")
+
+
+def test_prompt_cache_flags_pass_through_to_the_spawned_worker() -> None:
+    from router.app import worker_argv
+
+    cfg = load(RouterConfig, ["--model", "demo", "--prompt-cache-bytes", "1000",
+                              "--prompt-cache-entries", "4", "--no-prompt-cache"], {}, "mlx-router")
+    argv = worker_argv(cfg, "ipc:///tmp/w")
+    worker = load(WorkerConfig, argv[argv.index("--model"):], {}, "mlx-worker")
+    assert (worker.prompt_cache_bytes, worker.prompt_cache_entries, worker.no_prompt_cache) == (1000, 4, True)
+    assert worker.prompt_cache_disk_bytes is None
+    with pytest.raises(ConfigError, match="--prompt-cache-bytes"):
+        load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-bytes", "-1"], {}, "w")

@@ -16,7 +16,7 @@ from common import costmodel
 from common.costmodel import CostModel
 from common.protocol import RejectReason
 from worker.gate import (
-    CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, EngineView, MemoryGate, ScaleTracker,
+    CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, CacheLedger, EngineView, MemoryGate, ScaleTracker,
     is_memory_error,
 )
 from worker.memory import FakeProbe, MemoryState
@@ -240,3 +240,129 @@ def test_without_admission_a_memory_error_does_not_grow_the_model() -> None:
     gate, _ = make_gate(admission=False)
     assert not any(gate.memory_error(now=float(i)) for i in range(5))
     assert gate.model.scale == 1.0
+
+
+# -- the prefix cache's classes: evictable, promised, transient ---------------------------
+
+
+class FakeCache:
+    """Cached prompts held in the probe's active bytes: evicting one gives its bytes back."""
+
+    def __init__(self, probe: FakeProbe, *sizes: int, promised: int = 0) -> None:
+        self.probe = probe
+        self.sizes = list(sizes)        # least recently used first
+        self.promised = promised        # the first ``promised`` entries are held by requests
+        self.evicted: list[tuple[int, str]] = []
+        probe.active_bytes += sum(sizes)
+
+    def ledger(self) -> CacheLedger:
+        return CacheLedger(resident_bytes=sum(self.sizes), promised_bytes=sum(self.sizes[:self.promised]))
+
+    def evict(self, nbytes: int, reason: str) -> int:
+        freed = 0
+        while freed < nbytes and len(self.sizes) > self.promised:
+            size = self.sizes.pop(self.promised)
+            self.probe.active_bytes -= size
+            self.probe.system_available_bytes += size  # given back to the system
+            self.evicted.append((size, reason))
+            freed += size
+        return freed
+
+
+def cached_gate(*sizes: int, promised: int = 0, **kw: Any) -> tuple[MemoryGate, FakeProbe, FakeCache]:
+    gate, probe = make_gate(**kw)
+    cache = FakeCache(probe, *sizes, promised=promised)
+    gate.cache = cache
+    return gate, probe, cache
+
+
+def test_evictable_bytes_are_used_not_free_and_not_running_rows_allocations() -> None:
+    gate, probe = make_gate()
+    free_before = gate.free_bytes()
+    gate, probe, cache = cached_gate(300 * MIB)
+    assert gate.free_bytes() == free_before - 300 * MIB  # never credited to admission
+    assert gate.allocated_bytes() == 0                   # nor mistaken for a row's allocation
+
+
+def test_admission_evicts_least_recent_entries_before_a_request_would_wait() -> None:
+    gate, probe, cache = cached_gate(200 * MIB, 200 * MIB, 200 * MIB, 200 * MIB)
+    decision = gate.can_admit(view(), 3000, 500)  # ~220 MiB of KV: more than is free
+    assert decision.admit
+    assert cache.evicted and all(reason == "admission" for _, reason in cache.evicted)
+    assert len(cache.sizes) == 3, "only as many entries as the request needs, oldest first"
+
+
+def test_promised_entries_are_never_evicted_and_the_request_waits() -> None:
+    gate, probe, cache = cached_gate(400 * MIB, 400 * MIB, promised=2)
+    decision = gate.can_admit(view(), 3000, 500)
+    assert decision.reason is RejectReason.NOT_NOW and not cache.evicted
+
+
+def test_the_buffer_cache_goes_before_cached_prompts() -> None:
+    gate, probe, cache = cached_gate(300 * MIB, 300 * MIB)
+    probe.cache_bytes = 200 * MIB
+    assert gate.can_admit(view(), 2000, 200).admit
+    assert probe.cleared == 1 and not cache.evicted
+
+
+def test_a_never_fitting_request_evicts_nothing() -> None:
+    gate, probe, cache = cached_gate(100 * MIB, model=make_model(budget_bytes=64 * MIB))
+    assert gate.can_admit(view(), 4000, 4000).reason is RejectReason.NEVER_FITS
+    assert not cache.evicted
+
+
+def test_cached_prompts_go_before_the_chunk_shrinks() -> None:
+    gate, probe, cache = cached_gate(*[100 * MIB] * 6)
+    running = view(3000, prefilling=1)
+    gate.reserve(gate.can_admit(EngineView([]), 2900, 100))
+    chunk = gate.chunk(running, 512)
+    assert chunk == 512 and cache.evicted and {r for _, r in cache.evicted} == {"chunk"}
+    # With every entry promised there is nothing to give back: then the chunk shrinks.
+    gate, probe, cache = cached_gate(*[100 * MIB] * 6, promised=6)
+    assert gate.chunk(running, 512) < 512 and not cache.evicted
+
+
+def test_a_hit_joining_the_batch_is_charged_to_that_step() -> None:
+    gate, _ = make_gate()
+    plain = view(1000, prefilling=1)
+    joining = EngineView([1000], prefilling=1, prefill_rows=1, joining_bytes=50 * MIB)
+    assert gate.predict_step(joining, 256, None) == gate.predict_step(plain, 256, None) + 50 * MIB
+
+
+def test_under_pressure_cached_prompts_go_before_the_chunk_or_any_request() -> None:
+    gate, probe, cache = cached_gate(150 * MIB, 150 * MIB)
+    running = view(3000, 3000, prefilling=1)
+    gate.memory.reserved_bytes = costmodel.batch_cost_bytes(gate.model, 2, 3000, 512, 1, 3000)
+    probe.system_available_bytes = gate.memory.reserved_bytes - 200 * MIB  # another process took it
+    action = gate.pressure(running, 512)
+    assert action.evict == 0 and action.chunk_tokens == 512
+    assert cache.evicted and {r for _, r in cache.evicted} == {"pressure"}
+    assert gate.pressure(running, 512).admit, "the entries given back covered the shortage"
+    # Nothing left to give back: now the chunk shrinks, then requests are stopped.
+    probe.system_available_bytes = 50 * MIB
+    action = gate.pressure(running, 512)
+    assert not action.admit and (action.chunk_tokens < 512 or action.evict > 0)
+
+
+def test_a_store_is_held_only_from_free_memory_within_the_budget() -> None:
+    gate, probe, cache = cached_gate(100 * MIB)
+    assert gate.can_hold(200 * MIB)
+    assert not gate.can_hold(900 * MIB)           # more than is free: skipped, never forced
+    gate.reserve(gate.can_admit(view(), 6000, 2000))
+    assert not gate.can_hold(gate.model.budget_bytes - gate.memory.reserved_bytes)
+    assert not cache.evicted                      # a store never evicts to make its room
+
+
+def test_the_cache_is_not_measured_as_the_batch_peak() -> None:
+    gate, probe, cache = cached_gate(400 * MIB)
+    predicted = gate.predict_step(view(1000), 0, None)
+    probe.active_bytes += predicted // 2          # the step itself used half its prediction
+    assert not gate.observe_step(predicted, 1.0)
+    assert gate.tracker.scale == 1.0
+
+
+def test_entries_are_not_given_back_when_that_would_not_be_enough() -> None:
+    gate, probe, cache = cached_gate(20 * MIB)
+    probe.active_bytes = LIMIT - 100 * MIB   # another process's memory: 20 MiB of cache cannot cover it
+    assert gate.can_admit(view(), 3000, 500).reason is RejectReason.NOT_NOW
+    assert not cache.evicted

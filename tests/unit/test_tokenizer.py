@@ -528,3 +528,50 @@ def test_remote_code_in_a_model_folder_does_not_run(byte_level_json: Path, tmp_p
     with pytest.raises(ConfigError):
         RouterTokenizer.load(folder)
     assert not marker.exists()
+
+
+# -- message boundaries (where the worker keeps the prompt's KV) --------------------------
+
+
+def boundaries_of(t: RouterTokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    text = t.render_chat(messages)
+    ids = t.encode_rendered(text)
+    return t.message_boundaries(messages, None, None, text, ids), ids
+
+
+def test_boundaries_are_the_system_message_and_the_last_two_turns(tok: RouterTokenizer) -> None:
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"},
+            {"role": "assistant", "content": "The quick fox."}, {"role": "user", "content": "Ça va?"}]
+    found, ids = boundaries_of(tok, chat)
+    prefixes = [tok.encode_rendered(tok.render_chat(chat[:k], add_generation_prompt=False))
+                for k in (1, 3, 4)]
+    assert found == [len(p) for p in prefixes] and found[-1] < len(ids)
+    assert all(ids[:len(p)] == p for p in prefixes)  # each a real token prefix of the prompt
+
+
+def test_a_prefix_that_is_not_a_token_prefix_is_dropped(make_tokenizer: Callable[..., RouterTokenizer]) -> None:
+    # A message rendered differently once it is last is not a text prefix of the whole.
+    template = ("{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}{{ m.content }}"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    t = make_tokenizer({"eos_token": "<|im_end|>", "chat_template": template})
+    chat = [{"role": "system", "content": "brown fox"}, {"role": "user", "content": "lazy dog"}]
+    found, ids = boundaries_of(t, chat)
+    assert found == [len(t.encode_rendered(t.render_chat(chat, add_generation_prompt=False)))]
+    # A text prefix whose last word merges with what follows is not a token prefix.
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}lo{% endif %}"
+    t = make_tokenizer({"eos_token": "<|im_end|>", "chat_template": template})
+    chat = [{"role": "user", "content": "Hel"}]  # "Hel" + "lo": He|l, He|ll|o
+    text = t.render_chat(chat)
+    assert text.startswith(t.render_chat(chat, add_generation_prompt=False))
+    assert boundaries_of(t, chat)[0] == []
+
+
+def test_a_template_that_refuses_a_partial_chat_gives_no_boundary_there(
+        make_tokenizer: Callable[..., RouterTokenizer]) -> None:
+    template = ("{% if messages[-1].role != 'user' %}{{ raise_exception('last must be user') }}{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    t = make_tokenizer({"eos_token": "<|im_end|>", "chat_template": template})
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    found, ids = boundaries_of(t, chat)
+    assert found == [len(t.encode_rendered(t.render_chat(chat, add_generation_prompt=False)))]

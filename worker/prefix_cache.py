@@ -1,0 +1,341 @@
+"""Reused prompt KV: the prefix cache's RAM tier, and the seam to its disk tier.
+
+An entry is one sequence's per-layer caches (mlx-lm's ``KVCache`` and kin, extracted from
+the batch for one row) and the token ids they hold. A new prompt looks for the entry that
+saves it the most prefill:
+
+- *exact* or *prefix*: the entry's tokens are the prompt, or a prefix of it;
+- *trimmed*: a longer entry that shares a prefix with the prompt, trimmed back to it (only
+  where every layer's cache can trim: ``is_trimmable``; others get exact and prefix hits).
+
+At least the prompt's last token is always left to prefill (its logits start the
+generation), so an exact hit is trimmed by one token, and on a cache that cannot trim an
+exact hit is taken as the longest shorter prefix instead.
+
+Memory classes (the gate's ledger, ``worker/gate.py``): an entry no request holds is
+*evictable*; one handed to a request that has not joined the batch yet is *promised*
+(pinned: never evicted). A hit shares the entry's arrays (a view with its own offset, no
+copy); the copy is made when the row joins the batch, and charged to that step.
+
+Eviction is whole entries, least recently used first, by real buffer size (the arrays'
+``nbytes``): every reference is dropped, then MLX's buffer cache is cleared, so the bytes
+really go back. Bounded by ``max_bytes`` and ``max_entries``; a store that would not fit
+(the bound, or the gate's free memory) is skipped, never forced.
+
+The disk tier (``DiskTier``, ``worker/disk_cache.py``) is optional: entries evicted to keep
+within the bounds, and end-of-generation entries (the state of a conversation, worth
+keeping across a restart), are handed to it; an entry evicted because memory is needed now
+is not (its write would hold the memory it must give back). On a RAM miss, a longer disk
+prefix is restored when the gate has room for it, charged before the read.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from worker.gate import CacheLedger
+
+log = logging.getLogger(__name__)
+
+# A shorter reuse saves less prefill than its copy and bookkeeping cost.
+MIN_REUSE_TOKENS = 16
+# Share of the memory budget the RAM tier may hold by default (it is evicted before any
+# request waits for memory, so a large share costs nothing but the entries' re-prefill).
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+class DiskTier(Protocol):
+    """The disk tier's interface (implemented in worker/disk_cache.py)."""
+
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> None: ...
+    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None: ...
+    def entry_bytes(self, key: str) -> int: ...
+    def load(self, key: str, tokens: int) -> list[Any] | None: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+class EvictReason:
+    CAPACITY = "capacity"       # --prompt-cache-bytes / --prompt-cache-entries
+    SUPERSEDED = "superseded"   # a longer trimmable entry now serves its prefix
+    ADMISSION = "admission"     # room for a request that would otherwise wait
+    CHUNK = "chunk"             # room for a prefill chunk that would otherwise shrink
+    PRESSURE = "pressure"       # memory taken by another process, before any request is stopped
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    ids: np.ndarray             # int64 token ids the caches hold
+    cache: list[Any]            # per-layer caches of one row
+    nbytes: int
+    trimmable: bool
+    used_at: int = 0
+    holders: int = 0            # requests holding it (promised): never evicted while > 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(eq=False, slots=True)
+class Hit:
+    """A reuse handed to one request: ``tokens`` of its prompt come from ``views``."""
+
+    entry: Entry
+    tokens: int
+    kind: str                   # exact | prefix | trimmed | disk
+    views: list[Any] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    return int(sum(c.nbytes for c in cache))
+
+
+def is_trimmable(cache: list[Any]) -> bool:
+    return bool(cache) and all(c.is_trimmable() for c in cache)
+
+
+def view(cache: list[Any], trim: int) -> list[Any]:
+    """Per-layer caches that share the entry's arrays, trimmed by ``trim`` tokens (a trim
+    moves an offset; the arrays are never written: the batch merge copies them)."""
+    out = [_view_one(c) for c in cache]
+    if trim:
+        for c in out:
+            c.trim(trim)
+    return out
+
+
+def _view_one(c: Any) -> Any:
+    inner = getattr(c, "caches", None)
+    if isinstance(inner, (list, tuple)):  # CacheList: its members need their own views
+        v = copy.copy(c)
+        v.caches = type(inner)(_view_one(x) for x in inner)
+        return v
+    return copy.copy(c)
+
+
+def _clear_mlx_cache() -> None:
+    import mlx.core as mx
+
+    mx.clear_cache()
+
+
+class PrefixCache:
+    """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
+
+    def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
+                 clear: Callable[[], None] = _clear_mlx_cache) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.disk = disk
+        self._clear = clear
+        # Asked before a store or a disk restore: may this many bytes more be held now?
+        self.room: Callable[[int], bool] = lambda nbytes: True
+        self.entries: list[Entry] = []
+        self._clock = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_cached_tokens = 0
+        self.num_stores = 0
+        self.num_skipped = 0
+        self.hits_by_kind: dict[str, int] = {}
+        self.evictions: dict[str, int] = {}
+
+    # -- the gate's view -------------------------------------------------------------
+
+    def ledger(self) -> CacheLedger:
+        resident = sum(e.nbytes for e in self.entries)
+        promised = sum(e.nbytes for e in self.entries if e.holders)
+        return CacheLedger(resident_bytes=resident, promised_bytes=promised)
+
+    def evict(self, nbytes: int, reason: str) -> int:
+        """Evict entries no request holds, least recently used first, until ``nbytes`` are
+        freed or none is left; returns the bytes freed."""
+        freed = 0
+        for entry in sorted((e for e in self.entries if not e.holders), key=lambda e: e.used_at):
+            if freed >= nbytes:
+                break
+            freed += self._drop(entry, reason)
+        if freed:
+            self._clear()
+            log.debug("evicted %d B of cached prompts (%s)", freed, reason)
+        return freed
+
+    # -- lookup ----------------------------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int]) -> Hit | None:
+        """The reuse that saves ``prompt`` the most prefill, taken (pinned) for it, or None.
+        The caller releases it (``release``) when its row joins the batch or is dropped."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        hit = self._best_ram(ids)
+        if self.disk is not None:
+            hit = self._from_disk(ids, hit)
+        if hit is None:
+            return None
+        self._clock += 1
+        hit.entry.used_at = self._clock
+        hit.entry.holders += 1
+        return hit
+
+    def record(self, hit: Hit | None) -> None:
+        """Count a lookup whose request was admitted (one the gate sent back is asked again)."""
+        if hit is None:
+            self.num_misses += 1
+            return
+        self.num_hits += 1
+        self.num_cached_tokens += hit.tokens
+        self.hits_by_kind[hit.kind] = self.hits_by_kind.get(hit.kind, 0) + 1
+
+    def release(self, hit: Hit) -> None:
+        """The hit's row joined the batch (its copy is made) or was dropped: the entry is
+        evictable again, and the hit's views let go of its arrays."""
+        if hit.entry.holders > 0:
+            hit.entry.holders -= 1
+        hit.views = []
+
+    def _best_ram(self, ids: np.ndarray) -> Hit | None:
+        best: tuple[int, int, Entry] | None = None
+        limit = len(ids) - 1  # the last token is always fed
+        for entry in self.entries:
+            common = common_prefix(entry.ids, ids)
+            if common == len(entry) and len(entry) <= limit:
+                use = len(entry)
+            elif entry.trimmable:
+                use = min(common, limit)
+            else:
+                continue
+            trim = len(entry) - use
+            if use >= MIN_REUSE_TOKENS and (best is None or (use, -trim) > (best[0], -best[1])):
+                best = (use, trim, entry)
+        if best is None:
+            return None
+        use, trim, entry = best
+        kind = "trimmed" if use < min(len(entry), len(ids)) else "prefix"
+        if len(entry) == len(ids) and common_prefix(entry.ids, ids) == len(ids):
+            kind = "exact"
+        return Hit(entry, use, kind, view(entry.cache, trim))
+
+    def _from_disk(self, ids: np.ndarray, ram: Hit | None) -> Hit | None:
+        """A longer prefix on disk than in RAM: restore it if the gate has room for it."""
+        assert self.disk is not None
+        found = self.disk.longest_prefix(ids[:-1].tolist())
+        if found is None or found[0] < max(MIN_REUSE_TOKENS, ram.tokens + 1 if ram else 0):
+            return ram
+        tokens, key = found
+        nbytes = self.disk.entry_bytes(key)
+        if not self._may_hold(nbytes):
+            return ram
+        cache = self.disk.load(key, tokens)
+        if cache is None:
+            return ram
+        entry = self._insert(ids[:tokens].copy(), cache)
+        if entry is None:
+            return ram
+        return Hit(entry, tokens, "disk", view(cache, 0))
+
+    # -- store -----------------------------------------------------------------------
+
+    def wants(self, num_tokens: int, prompt: Sequence[int], estimate_bytes: int) -> bool:
+        """Should ``prompt[:num_tokens]`` be stored? Asked before the extraction's copy, which
+        is charged here (the gate's room): a copy that would not fit is never made."""
+        if num_tokens < MIN_REUSE_TOKENS or not self._may_hold(estimate_bytes):
+            self.num_skipped += num_tokens >= MIN_REUSE_TOKENS
+            return False
+        ids = np.asarray(prompt[:num_tokens], dtype=np.int64)
+        for entry in self.entries:
+            if len(entry) >= num_tokens and common_prefix(entry.ids, ids) == num_tokens \
+                    and (len(entry) == num_tokens or entry.trimmable):
+                self._clock += 1
+                entry.used_at = self._clock
+                return False  # already served by a stored entry
+        return True
+
+    def store(self, tokens: Sequence[int], cache: list[Any], *, keep: bool = False) -> bool:
+        """Keep one row's caches (arrays already evaluated) for ``tokens``. ``keep``: worth
+        writing to disk now (a conversation's latest state). False when skipped."""
+        entry = self._insert(np.asarray(tokens, dtype=np.int64), cache)
+        if entry is None:
+            return False
+        if keep and self.disk is not None:
+            self.disk.put(entry.ids.tolist(), entry.cache)
+        return True
+
+    def _insert(self, ids: np.ndarray, cache: list[Any]) -> Entry | None:
+        """Index caches already in memory (their room was asked before they were made)."""
+        nbytes = cache_nbytes(cache)
+        if not self._fit_bounds(nbytes):
+            self.num_skipped += 1
+            return None
+        self._clock += 1
+        entry = Entry(ids, cache, nbytes, is_trimmable(cache), used_at=self._clock)
+        if entry.trimmable:  # its shorter prefixes are served by trimming it
+            for old in [e for e in self.entries if not e.holders and len(e) < len(entry)
+                        and common_prefix(e.ids, ids) == len(e)]:
+                self._drop(old, EvictReason.SUPERSEDED)
+        self.entries.append(entry)
+        self.num_stores += 1
+        return entry
+
+    def _fit_bounds(self, nbytes: int) -> bool:
+        """Make room within the bounds by evicting LRU entries, only if that is enough."""
+        free = [e for e in sorted(self.entries, key=lambda e: e.used_at) if not e.holders]
+        resident = sum(e.nbytes for e in self.entries)
+        if nbytes > self.max_bytes or self.max_entries == 0:
+            return False
+        over_count = len(self.entries) + 1 - self.max_entries
+        dropped, freed = 0, 0
+        for e in free:
+            if dropped >= over_count and resident - freed + nbytes <= self.max_bytes:
+                break
+            dropped, freed = dropped + 1, freed + e.nbytes
+        if dropped < over_count or resident - freed + nbytes > self.max_bytes:
+            return False
+        for e in free[:dropped]:
+            if self.disk is not None:
+                self.disk.put(e.ids.tolist(), e.cache)
+            self._drop(e, EvictReason.CAPACITY)
+        return True
+
+    def _may_hold(self, nbytes: int) -> bool:
+        return nbytes <= self.max_bytes and self.max_entries > 0 and self.room(nbytes)
+
+    def _drop(self, entry: Entry, reason: str) -> int:
+        self.entries.remove(entry)
+        entry.cache = []  # the last reference to its arrays
+        self.evictions[reason] = self.evictions.get(reason, 0) + 1
+        return entry.nbytes
+
+    # -- report ----------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        ledger = self.ledger()
+        ram = {"entries": len(self.entries), "bytes": ledger.resident_bytes}
+        return {
+            "enabled": True, "hits": self.num_hits, "misses": self.num_misses,
+            "cached_tokens": self.num_cached_tokens, "stores": self.num_stores,
+            "skipped_stores": self.num_skipped, "entries": len(self.entries),
+            "ram_bytes": ledger.resident_bytes, "max_bytes": self.max_bytes,
+            "max_entries": self.max_entries, "evictable_bytes": ledger.evictable_bytes,
+            "promised_bytes": ledger.promised_bytes, "hits_by_kind": dict(self.hits_by_kind),
+            "evictions": dict(self.evictions),
+            "tiers": {"ram": ram, "disk": self.disk.stats() if self.disk is not None else None},
+        }
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
