@@ -96,7 +96,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 # Subcommands that own their argument parsing: bench/<name>.py main(argv).
 DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly",
                              "grammar": "grammar", "structured": "structured", "apis": "apis",
-                             "multiturn": "multiturn"}
+                             "multiturn": "multiturn", "models": "models"}
 
 
 def main(argv: list[str] | None = None) -> int:

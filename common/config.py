@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -22,13 +23,44 @@ from typing import Any, TypeVar
 from common.errors import ConfigError
 
 __all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt",
-           "permanent_exit"]
+           "permanent_exit", "parse_duration"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Tool-call families router/tools.py parses (kept here: common never imports the router).
 TOOL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony")
 OOM_GUARDS = ("abort", "raise", "off")
 SERVICE_MANAGERS = ("none", "launchd", "systemd")
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_duration(value: Any, what: str = "keep_alive") -> float:
+    """Seconds from a duration as Ollama takes it: a number of seconds, or text such as
+    ``30s``, ``5m``, ``1h``, ``1h30m``; any negative value means for ever (-1)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        negative = text.startswith("-")
+        body = text.lstrip("+-")
+        try:
+            seconds = float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ConfigError(f"{what}: {value!r} is not a duration (e.g. 30s, 5m, 1h, "
+                                  "0, -1)") from None
+            seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+        seconds = -seconds if negative else seconds
+    else:
+        raise ConfigError(f"{what}: expected a duration, got {type(value).__name__}")
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ConfigError(f"{what}: {value!r} is not a duration")
+    return -1.0 if seconds < 0 else seconds
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: Sequence[str] = (),
@@ -87,7 +119,22 @@ def _check_common(cfg: Any) -> None:
 class RouterConfig:
     """mlx-router: the HTTP front end."""
 
-    model: str = opt("", "Model: a local mlx-lm folder, a Hugging Face repo id, or 'demo'.")
+    model: tuple[str, ...] = opt(
+        (), "A model to serve, [ALIAS=]PATH|REPO|demo: a local mlx-lm folder, a Hugging Face "
+        "repo id, or 'demo' (repeatable; requests pick one by its alias).")
+    models_dir: str | None = opt(
+        None, "Serve every mlx-lm model folder (config.json + *.safetensors) under this folder.")
+    keep_alive: str | None = opt(
+        None, "How long a model stays loaded after its last request: seconds, or 30s, 5m, 1h; "
+        "-1 for ever, 0 unloads right after each request. Default: for ever with one model "
+        "(started at once, as a single-model server), 5m with several (loaded on demand).")
+    pin: tuple[str, ...] = opt(
+        (), "A model alias that is loaded at start and never unloaded (repeatable).")
+    host_memory_mb: int | None = opt(
+        None, "Memory in MiB that all spawned workers may hold together; each gets a share as "
+        "its limit. Default: unlimited with one model (its worker sizes itself), 75%% of RAM "
+        "with several.")
+    replicas: int = opt(1, "Workers spawned per loaded model (they share its requests).")
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(8080, "Port to listen on.")
     api_key: str | None = opt(
@@ -167,7 +214,15 @@ class RouterConfig:
         (), "Extra argument passed to the spawned worker (repeatable).", hidden=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, str):  # RouterConfig(model="demo"): one model
+            object.__setattr__(self, "model", (self.model,) if self.model else ())
         _check_common(self)
+        if self.keep_alive is not None:
+            parse_duration(self.keep_alive, "--keep-alive")
+        if self.host_memory_mb is not None and self.host_memory_mb <= 0:
+            raise ConfigError(f"--host-memory-mb must be > 0, got {self.host_memory_mb}")
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.max_queue < 0:
@@ -297,8 +352,11 @@ def _coerce(value: Any, f: dataclasses.Field[Any], cls: type, where: str) -> Any
             raise ValueError(value)
         if kind is tuple:
             if isinstance(value, str):
-                return tuple(value.split())
-            return tuple(str(v) for v in value)
+                # A model path may hold spaces: one string is one model (a TOML list, several).
+                return (value,) if f.name == "model" else tuple(value.split())
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError(value)
+            return tuple(value)
         if kind is int and isinstance(value, float):
             raise ValueError(value)
         if kind is str and not isinstance(value, str):

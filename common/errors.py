@@ -8,6 +8,7 @@
     ├── Forbidden (403)                   not recoverable: the client is not allowed in
     │   ├── HostNotAllowed                Host header not this server's (DNS rebinding)
     │   └── OriginNotAllowed              a browser page of another origin
+    ├── ModelNotFound (404)               the request names a model this router does not serve
     ├── RequestTimeout (408)              the body did not arrive within --request-timeout
     ├── PayloadTooLarge (413)
     ├── QueueFull (429)                   recoverable: retry later
@@ -36,6 +37,7 @@ __all__ = [
     "Forbidden",
     "HostNotAllowed",
     "OriginNotAllowed",
+    "ModelNotFound",
     "RequestTimeout",
     "PayloadTooLarge",
     "QueueFull",
@@ -122,6 +124,14 @@ class OriginNotAllowed(Forbidden):
     """A browser request from an origin not given with --cors-origin."""
 
     code = "origin_not_allowed"
+
+
+class ModelNotFound(HeadroomError):
+    """The request names a model this router does not serve; not recoverable by retrying."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
 
 
 class RequestTimeout(HeadroomError):

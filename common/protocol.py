@@ -37,6 +37,8 @@ __all__ = [
     "Status",
     "Heartbeat",
     "Shutdown",
+    "Trim",
+    "Limit",
     "Message",
     "encode",
     "decode",
@@ -204,9 +206,30 @@ class Shutdown:
     reason: str = ""
 
 
-Message = Hello | Generate | Cancel | Tokens | Reject | Status | Heartbeat | Shutdown
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trim:
+    """Router → worker: drop what memory you can give back without harm now (evictable
+    memory: prompt caches, MLX's buffer cache), because another model needs room. A worker
+    with nothing to drop does nothing; either way it sends a fresh Status."""
+
+    type: ClassVar[str] = "trim"
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limit:
+    """Router → worker: your share of the host budget is now ``limit_bytes`` (the router
+    only raises a running worker's share; a lower one is given at spawn)."""
+
+    type: ClassVar[str] = "limit"
+    incarnation: int
+    limit_bytes: int
+
+
+Message = Hello | Generate | Cancel | Tokens | Reject | Status | Heartbeat | Shutdown | Trim | Limit
 MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (Hello, Generate, Cancel, Tokens, Reject, Status, Heartbeat, Shutdown)
+    cls.type: cls for cls in (Hello, Generate, Cancel, Tokens, Reject, Status, Heartbeat, Shutdown,
+                              Trim, Limit)
 }
 
 

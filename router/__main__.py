@@ -13,6 +13,7 @@ from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from router import ipc
+from router.models import build_catalog
 
 log = logging.getLogger("router")
 
@@ -43,11 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         link_keys = load_server_keys(cfg.curve_secret_key, cfg.curve_authorized_keys)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
+        build_catalog(cfg.model, cfg.models_dir)  # a bad model list is a clear ConfigError here
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(2, args)
-    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": cfg.model})
+    setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": ",".join(cfg.model) or cfg.models_dir or ""})
     logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
     try:
         return asyncio.run(serve(cfg, addr, env, api_keys, link_keys))
@@ -61,7 +63,7 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
     # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
     from aiohttp import web
 
-    from router.app import API, STATE, SUPERVISOR, make_app
+    from router.app import API, FLEET, STATE, make_app
 
     app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -82,7 +84,7 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
     # Signal handlers only set a flag or enqueue work; the loop does the rest.
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, app[SUPERVISOR].restart_now)
+    loop.add_signal_handler(signal.SIGHUP, app[FLEET].restart_all)
     await stop.wait()
     app[STATE].draining = True
     log.info("[shutdown] draining up to %.0fs (%d in flight)", cfg.drain_timeout_s,

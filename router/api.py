@@ -27,14 +27,16 @@ from typing import Any
 
 from aiohttp import web
 
+from common.config import parse_duration
 from common.errors import (
-    BadRequest, ConfigError, HeadroomError, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
+    BadRequest, ConfigError, HeadroomError, ModelNotFound, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
     RequestQuarantined, RequestTimeout,
 )
 from router import admission
 from common.log import about
 from common.protocol import Hello
 from router.dispatch import Dispatcher
+from router.fleet import Fleet, Served
 from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
 from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import ChatPresenter, Collector, Formatter, Presenter
@@ -167,13 +169,13 @@ def _log_preload_failure(task: asyncio.Future[RouterTokenizer]) -> None:
 class Api:
     """The OpenAI-compatible endpoints."""
 
-    def __init__(self, *, dispatcher: Dispatcher, metrics: Metrics, model_id: str,
+    def __init__(self, *, dispatcher: Dispatcher, fleet: Fleet, metrics: Metrics,
                  default_max_tokens: int, queue_timeout_s: float, limits: Limits,
                  is_draining: Callable[[], bool], trust_remote_code: bool = False,
                  max_n: int = 1, tool_parser: str = "auto") -> None:
         self.dispatcher = dispatcher
+        self.fleet = fleet
         self.metrics = metrics
-        self.model_id = model_id
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
         self.tool_parser = tool_parser
@@ -182,19 +184,21 @@ class Api:
         self.trust_remote_code = trust_remote_code
         self.is_draining = is_draining
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self._tokenizer: RouterTokenizer | None = None
-        self._tokenizer_path: str | None = None
+        self._tokenizers: dict[str, RouterTokenizer] = {}   # by tokenizer path
         self._tokenizer_lock = asyncio.Lock()
         self._tokenizer_task: asyncio.Future[RouterTokenizer] | None = None
         self.num_in_flight = 0
 
     async def models(self, request: web.Request) -> web.Response:
-        # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the rest
-        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
-                 "type": "model", "display_name": self.model_id,
-                 "created_at": "1970-01-01T00:00:00Z"}
-        return web.json_response({"object": "list", "data": [model], "has_more": False,
-                                  "first_id": self.model_id, "last_id": self.model_id})
+        # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the
+        # rest; ``state`` and ``memory`` say what is loaded and what it holds.
+        data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": "headroom",
+                 "type": "model", "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z",
+                 **{k: v for k, v in m.items() if k != "id"}}
+                for m in self.fleet.describe_models()]
+        return web.json_response({"object": "list", "data": data, "has_more": False,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, COMPLETIONS)
@@ -208,7 +212,8 @@ class Api:
         body = await self._json(request)
         check_body(body, self.limits)
         parsed = parse(body, self.default_max_tokens, self.max_n)
-        tokenizer, _ = await self._tokenizer_for(time.monotonic() + self.queue_timeout_s)
+        served = self._served(parsed.model)
+        tokenizer = await self._tokenizer_for(served, time.monotonic() + self.queue_timeout_s)
         prompts, _, _ = await self._tokenize(tokenizer, parsed, with_boundaries=False)
         return sum(len(ids) for ids in prompts)
 
@@ -224,7 +229,10 @@ class Api:
             check_body(body, self.limits)
             parsed = endpoint.parse(body, self.default_max_tokens, self.max_n)
             check_max_tokens(parsed.sampling.max_tokens, self.limits)
-            rows = await self._admit(parsed, arrived, request_id, endpoint.id_prefix)
+            served = self._served(parsed.model)
+            self.fleet.check_fits(served)
+            self.fleet.note_request(served, keep_alive_of(body))
+            rows = await self._admit(served, parsed, arrived, request_id, endpoint.id_prefix)
             response = await self._run(request, body, parsed, rows, endpoint)
             status = response.status
             return response
@@ -255,53 +263,67 @@ class Api:
         except RecursionError:
             raise BadRequest("the request body is nested too deeply") from None
 
+    def _served(self, name: str) -> Served:
+        served = self.fleet.resolve(name)
+        if served is None:
+            known = ", ".join(sorted(self.fleet.models))
+            raise ModelNotFound(f"the model {name!r} does not exist here; served: {known}",
+                                param="model")
+        return served
+
     def preload_tokenizer(self, hello: Hello) -> None:
         """Load the tokenizer as soon as a worker says hello, not at the first request."""
-        if self._tokenizer_path != hello.tokenizer_path:
+        if hello.tokenizer_path not in self._tokenizers:
             task = asyncio.ensure_future(self._load_tokenizer(hello.tokenizer_path))
             task.add_done_callback(_log_preload_failure)
             self._tokenizer_task = task
 
-    @property
-    def tokenizer_ready(self) -> bool:
-        link = self.dispatcher.link
-        return self._tokenizer is not None and link is not None \
-            and self._tokenizer_path == link.hello.tokenizer_path
+    def has_tokenizer(self, path: str) -> bool:
+        return path in self._tokenizers
 
     async def _load_tokenizer(self, path: str) -> RouterTokenizer:
         async with self._tokenizer_lock:
-            if self._tokenizer is None or self._tokenizer_path != path:
+            if path not in self._tokenizers:
                 loop = asyncio.get_running_loop()
-                self._tokenizer = await loop.run_in_executor(
+                self._tokenizers[path] = await loop.run_in_executor(
                     self.pool, functools.partial(RouterTokenizer.load, path,
                                                  trust_remote_code=self.trust_remote_code))
-                self._tokenizer_path = path
-            return self._tokenizer
+            return self._tokenizers[path]
 
-    async def _tokenizer_for(self, deadline: float) -> tuple[RouterTokenizer, Any]:
-        """Wait (until the queue deadline) for a worker's hello, then its tokenizer."""
+    async def _tokenizer_for(self, served: Served, deadline: float) -> RouterTokenizer:
+        """The model's tokenizer: from its folder at once, or (a repo id, demo) from its first
+        worker's hello, waiting for the load until the queue deadline."""
+        alias = served.spec.alias
         d = self.dispatcher
-        while d.link is None:
-            if d.unavailable is not None:
-                raise NoWorker(d.unavailable)
-            try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await d.ready.wait()
-            except TimeoutError:
-                raise QueueTimeout("no worker became ready before the request's queue timeout") from None
-        link = d.link
-        tokenizer = self._tokenizer
-        if tokenizer is None or self._tokenizer_path != link.hello.tokenizer_path:
-            tokenizer = await self._load_tokenizer(link.hello.tokenizer_path)
-        return tokenizer, link
+        with self.fleet.waiting(served):
+            while served.tokenizer_path is None:
+                if alias in d.unavailable:
+                    raise NoWorker(d.unavailable[alias])
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await d.ready(alias).wait()
+                except TimeoutError:
+                    raise QueueTimeout("no worker became ready before the request's queue "
+                                       "timeout") from None
+                if served.tokenizer_path is None and alias not in d.unavailable:
+                    d.ready(alias).clear()  # a stale wakeup: wait again
+            # Still waiting: the worker loads while the tokenizer does.
+            path = served.tokenizer_path
+            return self._tokenizers.get(path) or await self._load_tokenizer(path)
 
-    async def _admit(self, parsed: Parsed, arrived: float, request_id: str, id_prefix: str) -> Rows:
-        """Tokenize, refuse what can never fit, and queue one job per choice (one row each)."""
+    async def _admit(self, served: Served, parsed: Parsed, arrived: float, request_id: str,
+                     id_prefix: str) -> Rows:
+        """Tokenize, refuse what can never fit, and queue one job per choice (one row each).
+        A model not loaded yet is checked against what its last worker published, and again
+        by the dispatcher when a worker says hello."""
         deadline = arrived + self.queue_timeout_s
-        tokenizer, link = await self._tokenizer_for(deadline)
+        tokenizer = await self._tokenizer_for(served, deadline)
+        link = self.dispatcher.first_link(served.spec.alias)
+        cost_model = link.cost_model if link is not None else served.cost_model
+        admits = link.hello.admission if link is not None else True
         # Never-fits by max_tokens alone needs no tokenizing (a prompt has ≥ 1 token).
-        error = admission.check_max_tokens_only(link.model, link.hello.admission,
-                                                parsed.sampling.max_tokens)
+        error = admission.check_max_tokens_only(cost_model, admits, parsed.sampling.max_tokens) \
+            if cost_model is not None else None
         if error is not None:
             raise error
         check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
@@ -313,20 +335,21 @@ class Api:
         for ids in prompts:
             check_prompt_tokens(len(ids), self.limits,
                                 "messages" if parsed.messages is not None else "prompt")
-            error = admission.check_ever(link.model, link.hello.admission, len(ids),
-                                         parsed.sampling.max_tokens)
+            error = admission.check_ever(cost_model, admits, len(ids), parsed.sampling.max_tokens) \
+                if cost_model is not None else None
             if error is not None:
                 raise error
         # The response id ends with the request id, so a client can quote either; a choice's
         # row is the request id with its index.
-        rows = Rows(id_prefix + request_id, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan)
+        rows = Rows(id_prefix + request_id, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan,
+                    model_id=served.spec.alias, tokenizer=tokenizer)
         now = time.monotonic()
         for index in range(parsed.num_choices):
             row_id = request_id if parsed.num_choices == 1 else f"{request_id}-{index}"
             rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
                                  sampling=row_sampling(sampling, index), deadline=deadline,
                                  enqueued_at=now, events=ChoiceEvents(rows.events, index),
-                                 boundaries=boundaries))
+                                 model=served.spec.alias, boundaries=boundaries))
         try:
             for job in rows.jobs:
                 self.dispatcher.submit(job)
@@ -374,14 +397,13 @@ class Api:
 
     async def _run(self, request: web.Request, body: Any, parsed: Parsed, rows: Rows,
                    endpoint: Endpoint) -> web.StreamResponse:
-        assert self._tokenizer is not None
-        tok = self._tokenizer
+        tok = rows.tokenizer
         plan = rows.plan
         collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
                                 len(job.prompt_ids), i, plan.parser(),
                                 inline_reasoning=not parsed.separate_reasoning)
                       for i, job in enumerate(rows.jobs)]
-        present = endpoint.present(body, parsed, rows, self.model_id, tok)
+        present = endpoint.present(body, parsed, rows, rows.model_id, tok)
         self.num_in_flight += 1
         try:
             if parsed.stream:
@@ -508,3 +530,14 @@ def row_sampling(sampling: Sampling, index: int) -> Sampling:
     if index == 0 or seed is None:
         return sampling
     return replace(sampling, params=replace(sampling.params, seed=(seed + index) % 2**64))
+
+
+def keep_alive_of(body: Any) -> float | None:
+    """The request's ``keep_alive`` (Ollama's field): how long its model stays loaded after."""
+    value = body.get("keep_alive") if isinstance(body, dict) else None
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ConfigError as exc:
+        raise BadRequest(exc.message, param="keep_alive") from None

@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from common.config import RouterConfig
+import psutil
+
+from common.config import RouterConfig, parse_duration
 from common.curve import ServerKeys
-from common.errors import HeadroomError
+from common.errors import ConfigError, HeadroomError
 from router import access, anthropic_output
 from router.access import AccessPolicy
 from router.anthropic_api import Messages
 from router.api import Api, make_error_middleware
-from router.backlog import Backlog
 from router.curve import CurveServer
 from router.dispatch import Dispatcher
 from router.limits import Limits
@@ -27,9 +28,13 @@ from router.reqid import KEY as REQUEST_ID
 from router.reqid import RequestIds, add_header
 from router.responses_api import Responses
 from router.status import Metrics, StatusViews
-from router.supervisor import SpawnSpec, Supervisor
+from router.fleet import Fleet
+from router.models import ModelSpec, build_catalog
+from router.placement import lease_mb
+from router.supervisor import SpawnSpec
 
 log = logging.getLogger(__name__)
+MIB = 1 << 20
 
 
 @dataclass(slots=True)
@@ -43,7 +48,7 @@ class RouterState:
 CONFIG = web.AppKey("config", RouterConfig)
 STATE = web.AppKey("state", RouterState)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
+FLEET = web.AppKey("fleet", Fleet)
 API = web.AppKey("api", Api)
 VIEWS = web.AppKey("views", StatusViews)
 
@@ -59,11 +64,15 @@ def prompt_cache_argv(cfg: RouterConfig) -> list[str]:
     return argv + (["--no-prompt-cache"] if cfg.no_prompt_cache else [])
 
 
-def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
-    argv = [sys.executable, "-m", "worker", "--model", cfg.model, "--router", addr,
+def worker_argv(cfg: RouterConfig, addr: str, model: str | None = None,
+                limit_mb: int | None = None) -> list[str]:
+    """The spawned worker's command; ``limit_mb``: its share of the host budget."""
+    source = model if model is not None else cfg.model[0]
+    argv = [sys.executable, "-m", "worker", "--model", source, "--router", addr,
             "--parent-pipe", "--log-level", cfg.log_level, "--log-format", cfg.log_format]
-    if cfg.memory_limit_mb is not None:
-        argv += ["--memory-limit-mb", str(cfg.memory_limit_mb)]
+    limit = limit_mb if limit_mb is not None else cfg.memory_limit_mb
+    if limit is not None:
+        argv += ["--memory-limit-mb", str(limit)]
     if cfg.max_running_requests is not None:
         argv += ["--max-running-requests", str(cfg.max_running_requests)]
     if cfg.oom_guard is not None:
@@ -82,6 +91,37 @@ def worker_argv(cfg: RouterConfig, addr: str) -> list[str]:
 def worker_env(env: Mapping[str, str]) -> dict[str, str]:
     """The spawned worker's environment, without the router's secrets."""
     return {k: v for k, v in env.items() if k not in ("MLX_ROUTER_API_KEY",)}
+
+
+# With several models and no --host-memory-mb, workers may hold this share of the RAM.
+DEFAULT_HOST_FRACTION = 0.75
+# Without --keep-alive, several models unload after this long idle (Ollama's default).
+DEFAULT_KEEP_ALIVE_S = 300.0
+
+
+def make_fleet(cfg: RouterConfig, addr: str, env: Mapping[str, str], dispatcher: Dispatcher,
+               metrics: Metrics) -> Fleet:
+    """The models and their workers: one model is started at once and kept (as a
+    single-model server does) unless --keep-alive says otherwise; several load on demand."""
+    catalog = build_catalog(cfg.model, cfg.models_dir)
+    for alias in cfg.pin:
+        if alias not in {s.alias for s in catalog}:
+            raise ConfigError(f"--pin {alias}: no model has that alias")
+    several = len(catalog) > 1
+    keep_alive_s = parse_duration(cfg.keep_alive, "--keep-alive") if cfg.keep_alive is not None \
+        else (DEFAULT_KEEP_ALIVE_S if several else -1.0)
+    budget = cfg.host_memory_mb * MIB if cfg.host_memory_mb is not None else (
+        int(psutil.virtual_memory().total * DEFAULT_HOST_FRACTION) if several else None)
+    cap = cfg.memory_limit_mb * MIB if cfg.memory_limit_mb is not None else None
+
+    def make_spawn(spec: ModelSpec, lease_bytes: int | None) -> SpawnSpec:
+        limit = lease_mb(lease_bytes) if lease_bytes is not None else None
+        return SpawnSpec(worker_argv(cfg, addr, spec.source, limit), worker_env(env))
+
+    return Fleet(catalog, dispatcher, metrics,
+                 make_spawn=make_spawn if cfg.worker_mode == "spawn" else None,
+                 budget_bytes=budget, cap_bytes=cap, keep_alive_s=keep_alive_s, pins=cfg.pin,
+                 replicas=cfg.replicas, preload=True)
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
@@ -107,11 +147,10 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
                           client_max_size=cfg.max_body_bytes)
     app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(access.make_cors_signal(policy))
-    dispatcher = Dispatcher(addr, Backlog(cfg.max_queue), metrics,
+    dispatcher = Dispatcher(addr, cfg.max_queue, metrics,
                             curve=CurveServer(link_keys, metrics) if link_keys else None)
-    spawn = SpawnSpec(worker_argv(cfg, addr), worker_env(env)) if cfg.worker_mode == "spawn" else None
-    supervisor = Supervisor(dispatcher, spawn, metrics)
-    api = Api(dispatcher=dispatcher, metrics=metrics, model_id=cfg.model,
+    fleet = make_fleet(cfg, addr, env, dispatcher, metrics)
+    api = Api(dispatcher=dispatcher, fleet=fleet, metrics=metrics,
               default_max_tokens=cfg.default_max_tokens, queue_timeout_s=cfg.queue_timeout_s,
               limits=Limits.from_config(cfg), is_draining=lambda: state.draining,
               trust_remote_code=cfg.trust_remote_code, max_n=cfg.max_n,
@@ -120,14 +159,16 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     warnings = access.exposure_warnings(cfg, policy)
     for warning in warnings:
         log.warning("%s", warning)
-    views = StatusViews(dispatcher, supervisor, metrics, cfg.model, lambda: state.draining,
-                        lambda: api.tokenizer_ready, warnings)
-    app[CONFIG], app[STATE], app[DISPATCHER], app[SUPERVISOR], app[API], app[VIEWS] = (
-        cfg, state, dispatcher, supervisor, api, views)
+    views = StatusViews(dispatcher, fleet, metrics, fleet.catalog[0].alias if len(fleet.catalog) == 1
+                        else ",".join(fleet.models), lambda: state.draining, api.has_tokenizer,
+                        warnings)
+    app[CONFIG], app[STATE], app[DISPATCHER], app[FLEET], app[API], app[VIEWS] = (
+        cfg, state, dispatcher, fleet, api, views)
 
     async def admin_restart(request: web.Request) -> web.Response:
-        supervisor.restart_now()
-        return web.json_response({"status": "restarting", "workers": [supervisor.describe()]})
+        fleet.restart_all()
+        return web.json_response({"status": "restarting",
+                                  "workers": [w.sup.describe() for w in fleet.workers.values()]})
 
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
@@ -142,7 +183,7 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     app.router.add_get("/", views.page)
 
     async def openapi(request: web.Request) -> web.Response:
-        link = dispatcher.link
+        link = next(iter(dispatcher.links.values()), None)
         return web.json_response(build_spec(api.limits, link.hello.context_length if link else None))
 
     app.router.add_get("/static/{name}", views.static)
@@ -155,13 +196,13 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
     """Start the dispatcher and supervisor with the app; stop them after it."""
-    dispatcher, supervisor = app[DISPATCHER], app[SUPERVISOR]
+    dispatcher, fleet = app[DISPATCHER], app[FLEET]
     await dispatcher.start()
-    await supervisor.start()
+    await fleet.start()
     sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
     sampler.cancel()
     await asyncio.gather(sampler, return_exceptions=True)
-    await supervisor.stop()
+    await fleet.stop()
     await dispatcher.stop()
     app[API].pool.shutdown(wait=False, cancel_futures=True)

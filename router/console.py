@@ -95,7 +95,8 @@ def _worker_lines(w: dict[str, Any], history: list[dict[str, Any]], now: float, 
     incarnation = w.get("incarnation") or "-"
     running = f"{w.get('running', 0)}/{mem['max_running_requests']}" if mem.get(
         "max_running_requests") else str(w.get("running", 0))
-    lines = [f"Worker  {w['state']}  pid {w.get('pid') or '-'}  incarnation {incarnation}"
+    model = f"{w['model']}  " if w.get("model") else ""
+    lines = [f"Worker  {model}{w['state']}  pid {w.get('pid') or '-'}  incarnation {incarnation}"
              f"  restarts {w['restarts']}  running {running}  ({w.get('mode', '')})"]
     if w.get("state") != "ready" and w.get("reason"):
         lines.append(f"  why: {w['reason']}")

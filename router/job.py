@@ -59,6 +59,8 @@ class Rows:
     request_id: str
     prompt_tokens: int
     plan: Any = None                      # router.plan.OutputPlan: how to read the output back
+    model_id: str = ""                    # the model that serves it, as the response names it
+    tokenizer: Any = None                 # router.tokenizer.RouterTokenizer of that model
     jobs: list[Job] = field(default_factory=list)
     events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
 
@@ -75,6 +77,7 @@ class Job:
     events: asyncio.Queue[Event] | ChoiceEvents = field(default_factory=asyncio.Queue)
     state: JobState = JobState.QUEUED
     incarnation: int | None = None        # the worker it runs on
+    model: str = ""                       # the model alias whose workers may run it
     num_output_tokens: int = 0
     num_dispatches: int = 0
     dispatched_at: float | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import resources
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -22,8 +22,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from common.version import __version__
 from router.access import AUTHORIZED
 from router.dispatch import Dispatcher
+from router.fleet import Fleet, ModelState
 from router.history import SAMPLE_INTERVAL_S, History, Sample
-from router.supervisor import Supervisor, WorkerState
+from router.link import WorkerLink
+from router.supervisor import WorkerState
 
 # Latency buckets from 1 ms to 2 min: TTFT spans queueing as well as prefill.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -67,62 +69,90 @@ class Metrics:
             "headroom_refused_handshakes", "Worker connections refused by CURVE, by reason.",
             ["reason"], registry=r)
         self.bad_frames = Counter("headroom_bad_frames", "Malformed frames dropped.", registry=r)
-        self.memory = Gauge("headroom_worker_memory_bytes", "The worker's latest memory report.",
-                            ["field"], registry=r)
-        self.cost_model = Gauge("headroom_cost_model", "The worker's cost model correction: "
+        self.memory = Gauge("headroom_worker_memory_bytes", "Each worker's latest memory report.",
+                            ["model", "worker", "field"], registry=r)
+        self.cost_model = Gauge("headroom_cost_model", "Each worker's cost model correction: "
                                 "scale (1 = the fitted model) and the worst measured/predicted step.",
-                                ["field"], registry=r)
+                                ["model", "worker", "field"], registry=r)
+        self.workers = Gauge("headroom_workers", "Workers by model and state.", ["model", "state"],
+                             registry=r)
+        self.model_state = Gauge("headroom_model_state", "1 for each model's current state.",
+                                 ["model", "state"], registry=r)
+        self.lease = Gauge("headroom_worker_lease_bytes", "Each worker's share of the host budget.",
+                           ["model", "worker"], registry=r)
+        self.host = Gauge("headroom_host_memory_bytes", "The host budget and what is leased of it.",
+                          ["field"], registry=r)
         self.history = History()  # the last minutes, for the status page
 
 
 class PromptCacheMetrics:
-    """The worker's prompt cache, read from its latest report at each scrape: counters are
-    the worker's own totals (a restarted worker starts again from zero, which Prometheus
-    reads as a counter reset), gauges its bytes and entries per tier. Hits, misses and
-    evictions carry the tier that served (or evicted) them; summed over tiers, hits are
-    every reuse. A RAM miss that the disk served is a RAM miss and a disk hit."""
+    """The workers' prompt caches, read from their latest reports at each scrape, summed over
+    the workers: counters are the workers' own totals (a restarted or unloaded worker starts
+    again from zero, which Prometheus reads as a counter reset), gauges bytes and entries per
+    tier. Hits, misses and evictions carry the tier that served (or evicted) them; summed
+    over tiers, hits are every reuse. A RAM miss that the disk served is a RAM miss and a
+    disk hit."""
 
-    def __init__(self, report: Any) -> None:
-        self._report = report
+    def __init__(self, reports: Callable[[], list[dict[str, Any]]]) -> None:
+        self._reports = reports
 
     def collect(self) -> Iterator[Metric]:
-        cache = (self._report() or {}).get("prompt_cache")
-        if not isinstance(cache, dict) or not cache.get("enabled"):
+        caches = [c for r in self._reports() if isinstance(c := r.get("prompt_cache"), dict)
+                  and c.get("enabled")]
+        if not caches:
             return
-        tiers = cache.get("tiers") or {}
-        disk = tiers.get("disk") if isinstance(tiers.get("disk"), dict) else None
-        from_disk = _int((cache.get("hits_by_kind") or {}).get("disk")) or 0
-        hits = CounterMetricFamily("headroom_prompt_cache_hits", "Prompts that reused cached KV, by tier.",
-                                   labels=["tier"])
-        misses = CounterMetricFamily("headroom_prompt_cache_misses",
-                                     "Prompts that found nothing to reuse in a tier.", labels=["tier"])
-        hits.add_metric(["ram"], (_int(cache.get("hits")) or 0) - from_disk)
-        misses.add_metric(["ram"], (_int(cache.get("misses")) or 0) + from_disk)
-        evictions = CounterMetricFamily("headroom_prompt_cache_evictions",
-                                        "Cache entries evicted, by tier and reason.", labels=["tier", "reason"])
-        for reason, n in (cache.get("evictions") or {}).items():
-            evictions.add_metric(["ram", str(reason)], _int(n) or 0)
-        disk_counters = []
-        if disk is not None:
-            hits.add_metric(["disk"], _int(disk.get("hits")) or 0)
-            misses.add_metric(["disk"], _int(disk.get("misses")) or 0)
-            evictions.add_metric(["disk", "capacity"], _int(disk.get("evictions")) or 0)
-            for name, what in (("writes", "Entries written to the disk tier."),
-                               ("corrupt", "Untrusted cache files removed (partial, damaged, foreign)."),
-                               ("dropped", "Entries not written: the writer's queue was full.")):
-                family = CounterMetricFamily(f"headroom_prompt_cache_{name}", what, labels=["tier"])
-                family.add_metric(["disk"], _int(disk.get(name)) or 0)
-                disk_counters.append(family)
-        yield from (hits, misses, evictions, *disk_counters)
+        by_tier = [_by_tier(c) for c in caches]
+        for name, what, labels in (
+                ("hits", "Prompts that reused cached KV, by tier.", ["tier"]),
+                ("misses", "Prompts that found nothing to reuse in a tier.", ["tier"]),
+                ("evictions", "Cache entries evicted, by tier and reason.", ["tier", "reason"]),
+                ("writes", "Entries written to the disk tier.", ["tier"]),
+                ("corrupt", "Untrusted cache files removed (partial, damaged, foreign).", ["tier"]),
+                ("dropped", "Entries not written: the writer's queue was full.", ["tier"])):
+            family = CounterMetricFamily(f"headroom_prompt_cache_{name}", what, labels=labels)
+            for key, n in _summed(t.get(name) for t in by_tier).items():
+                family.add_metric(key.split("/"), n)
+            yield family
         yield CounterMetricFamily("headroom_prompt_cache_cached_tokens", "Prompt tokens served from the cache.",
-                                  value=_int(cache.get("cached_tokens")) or 0)
+                                  value=sum(_int(c.get("cached_tokens")) or 0 for c in caches))
         size = GaugeMetricFamily("headroom_prompt_cache_bytes", "Cached KV bytes, by tier.", labels=["tier"])
         count = GaugeMetricFamily("headroom_prompt_cache_entries", "Cache entries, by tier.", labels=["tier"])
-        for tier, stats in tiers.items():
-            if isinstance(stats, dict):
-                size.add_metric([str(tier)], _int(stats.get("bytes")) or 0)
-                count.add_metric([str(tier)], _int(stats.get("entries")) or 0)
+        tiers = [t for c in caches if isinstance(t := c.get("tiers"), dict)]
+        for tier, n in _summed({k: v.get("bytes") for k, v in t.items() if isinstance(v, dict)}
+                               for t in tiers).items():
+            size.add_metric([tier], n)
+        for tier, n in _summed({k: v.get("entries") for k, v in t.items() if isinstance(v, dict)}
+                               for t in tiers).items():
+            count.add_metric([tier], n)
         yield from (size, count)
+
+
+def _by_tier(cache: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """One worker's counters by metric, keyed "tier" or "tier/reason"."""
+    tiers = cache.get("tiers") if isinstance(cache.get("tiers"), dict) else {}
+    disk = tiers.get("disk") if isinstance(tiers.get("disk"), dict) else None
+    hits_by_kind = cache.get("hits_by_kind") if isinstance(cache.get("hits_by_kind"), dict) else {}
+    from_disk = _int(hits_by_kind.get("disk")) or 0
+    out: dict[str, dict[str, int]] = {
+        "hits": {"ram": (_int(cache.get("hits")) or 0) - from_disk},
+        "misses": {"ram": (_int(cache.get("misses")) or 0) + from_disk},
+        "evictions": {f"ram/{reason}": _int(n) or 0 for reason, n in (cache.get("evictions") or {}).items()}}
+    if disk is not None:
+        out["hits"]["disk"] = _int(disk.get("hits")) or 0
+        out["misses"]["disk"] = _int(disk.get("misses")) or 0
+        out["evictions"]["disk/capacity"] = _int(disk.get("evictions")) or 0
+        for name in ("writes", "corrupt", "dropped"):
+            out[name] = {"disk": _int(disk.get(name)) or 0}
+    return out
+
+
+def _summed(maps: Any) -> dict[str, int]:
+    """Per-key sums of numeric maps (None and non-maps skipped)."""
+    out: dict[str, int] = {}
+    for m in maps:
+        for key, value in (m or {}).items() if isinstance(m, dict) else ():
+            out[str(key)] = out.get(str(key), 0) + (_int(value) or 0)
+    return out
 
 
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
@@ -144,49 +174,74 @@ PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"
 class StatusViews:
     """Handlers for the operator endpoints; they read state, they never change it."""
 
-    def __init__(self, dispatcher: Dispatcher, supervisor: Supervisor, metrics: Metrics,
+    def __init__(self, dispatcher: Dispatcher, fleet: Fleet, metrics: Metrics,
                  model_id: str, is_draining: Any, tokenizer_ready: Any,
                  warnings: list[str] | None = None) -> None:
         self.dispatcher = dispatcher
-        self.supervisor = supervisor
+        self.fleet = fleet
         self.metrics = metrics
         self.model_id = model_id
         self.is_draining = is_draining
-        self.tokenizer_ready = tokenizer_ready
+        self.tokenizer_ready = tokenizer_ready   # (tokenizer path) -> loaded?
         self.warnings = list(warnings or [])
         metrics.registry.register(PromptCacheMetrics(
-            lambda: dispatcher.link.status if dispatcher.link is not None else None))
+            lambda: [link.status for link in dispatcher.links.values() if link.status]))
 
-    def worker_summary(self) -> dict[str, Any]:
-        summary = self.supervisor.describe()
-        link = self.dispatcher.link
-        report = link.status if link else None
-        if report:
-            summary["headroom_bytes"] = report.get("headroom_bytes")
+    def _link(self, incarnation: int | None) -> WorkerLink | None:
+        return self.dispatcher.links.get(incarnation) if incarnation is not None else None
+
+    def worker_summaries(self) -> list[dict[str, Any]]:
+        out = []
+        for w in self.fleet.workers.values():
+            summary = w.sup.describe()
+            summary["lease_bytes"] = w.lease_bytes
+            summary["stopping"] = w.stopping
+            link = self._link(w.sup.incarnation)
             summary["running"] = len(link.in_flight) if link else 0
-            summary["max_request_tokens"] = report.get("max_request_tokens")
-        return summary
+            if link is not None and link.status:
+                summary["headroom_bytes"] = link.status.get("headroom_bytes")
+                summary["max_request_tokens"] = link.status.get("max_request_tokens")
+            out.append(summary)
+        return out
+
+    def is_serving(self) -> bool:
+        """A worker is ready and its tokenizer loaded; or, with models loaded on demand,
+        nothing has failed (an idle router with nothing loaded is healthy)."""
+        links = [link for link in self.dispatcher.links.values() if not link.retiring]
+        if any(self.tokenizer_ready(link.hello.tokenizer_path) for link in links):
+            return True
+        if self.fleet.preloads():
+            return False
+        states = {w.sup.state for w in self.fleet.workers.values() if not w.stopping}
+        return WorkerState.FAILED not in states and not self.dispatcher.unavailable
 
     def health_body(self, detailed: bool = True) -> tuple[int, dict[str, Any]]:
         """``detailed=False`` (a caller without the API key) leaves out what could name a
         file: the worker's log tail and a model given as a path."""
-        worker = self.worker_summary()
-        if not detailed and worker.get("last_exit"):
-            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
-                                   if k != "stderr_tail"}
-        ready = worker["state"] == WorkerState.READY.value
-        ok = ready and self.tokenizer_ready() and not self.is_draining()
+        workers = self.worker_summaries()
+        if not detailed:
+            for worker in workers:
+                if worker.get("last_exit"):
+                    worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                           if k != "stderr_tail"}
+        ok = self.is_serving() and not self.is_draining()
         if ok:
             status = "ok"
         elif self.is_draining():
             status = "draining"
+        elif any(w["state"] == WorkerState.READY.value for w in workers):
+            status = "loading tokenizer"
         else:
-            status = "loading tokenizer" if ready else worker["state"]
+            status = workers[0]["state"] if workers else "starting"
         model = self.model_id if detailed else public_model_name(self.model_id)
-        body = {"status": status, "model": model, "queued": len(self.dispatcher.backlog),
-                "workers": [worker], "warnings": self.warnings}
-        if self.dispatcher.refused is not None:
-            body["refused_workers"] = [{**self.dispatcher.refused,
+        models = self.fleet.describe_models()
+        if not detailed:
+            for m in models:
+                m.pop("source", None)
+        body = {"status": status, "model": model, "queued": self.dispatcher.num_queued(),
+                "models": models, "workers": workers, "warnings": self.warnings}
+        if self.dispatcher.channel.refused is not None:
+            body["refused_workers"] = [{**self.dispatcher.channel.refused,
                                         "reason": "protocol version mismatch"}]
         return (200 if ok else 503), body
 
@@ -195,14 +250,23 @@ class StatusViews:
         return web.json_response(body, status=code)
 
     async def memory(self, request: web.Request) -> web.Response:
-        link = self.dispatcher.link
         workers = []
-        if link is not None and link.status is not None:
+        leases = {w.sup.incarnation: w for w in self.fleet.workers.values()}
+        for link in self.dispatcher.links.values():
+            if link.status is None:
+                continue
             report = dict(link.status)
             report["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
             report["incarnation"] = link.incarnation
+            report["model"] = link.model_alias
+            report["pid"] = link.hello.pid
+            owner = leases.get(link.incarnation)
+            report["lease_bytes"] = owner.lease_bytes if owner else None
+            report["queued"] = self.dispatcher.num_queued(link.model_alias)
             workers.append(report)
-        return web.json_response({"queued": len(self.dispatcher.backlog), "workers": workers})
+        return web.json_response({"queued": self.dispatcher.num_queued(), "workers": workers,
+                                  "host": self.fleet.describe_host(),
+                                  "models": self.fleet.describe_models()})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.refresh_gauges()
@@ -211,28 +275,48 @@ class StatusViews:
 
     def refresh_gauges(self) -> None:
         m = self.metrics
-        m.queued.set(len(self.dispatcher.backlog))
-        link = self.dispatcher.link
-        m.running.set(len(link.in_flight) if link else 0)
-        if link is not None and link.status is not None:
+        m.queued.set(self.dispatcher.num_queued())
+        m.running.set(sum(len(link.in_flight) for link in self.dispatcher.links.values()))
+        for gauge in (m.memory, m.cost_model, m.workers, m.model_state, m.lease):
+            gauge.clear()  # workers come and go: no stale series
+        for link in self.dispatcher.links.values():
+            worker = str(link.hello.pid)
+            report = link.status or {}
             for name in MEMORY_GAUGES:
-                value = link.status.get(name)
+                value = report.get(name)
                 if isinstance(value, (int, float)):
-                    m.memory.labels(field=name).set(value)
+                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(value)
             for name in ("scale", "worst_measured_over_predicted"):
-                value = link.status.get(name)
+                value = report.get(name)
                 if isinstance(value, (int, float)):
-                    m.cost_model.labels(field=name).set(value)
+                    m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(value)
+        for w in self.fleet.workers.values():
+            m.workers.labels(model=w.model, state=w.sup.state.value).inc()
+            if w.lease_bytes is not None:
+                m.lease.labels(model=w.model, worker=str(w.sup.pid)).set(w.lease_bytes)
+        for info in self.fleet.describe_models():
+            for state in ModelState:
+                m.model_state.labels(model=info["id"], state=state.value).set(
+                    1 if info["state"] == state.value else 0)
+        host = self.fleet.describe_host()
+        for name in ("budget_bytes", "leased_bytes"):
+            if isinstance(host.get(name), int):
+                m.host.labels(field=name).set(host[name])
 
     # -- the status page and its data ------------------------------------------------
 
     def take_sample(self, now: float) -> Sample:
         """One chart point: the latest worker report, the queue, and the token rate."""
         total = self.metrics.registry.get_sample_value("headroom_generated_tokens_total") or 0.0
-        link = self.dispatcher.link
-        report = link.status if link is not None and link.status is not None else {}
-        sample = Sample(at=round(now, 3), queued=len(self.dispatcher.backlog),
-                        running=len(link.in_flight) if link else 0,
+        links = list(self.dispatcher.links.values())
+        report: dict[str, Any] = {}
+        for link in links:  # the host's total over every worker
+            for f in ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes", "headroom_bytes"):
+                value = _int((link.status or {}).get(f))
+                if value is not None:
+                    report[f] = report.get(f, 0) + value
+        sample = Sample(at=round(now, 3), queued=self.dispatcher.num_queued(),
+                        running=sum(len(link.in_flight) for link in links),
                         tokens_per_s=round(self.metrics.history.tokens_per_s(now, total), 2),
                         **{f: _int(report.get(f)) for f in ("limit_bytes", "active_bytes",
                            "cache_bytes", "reserved_bytes", "headroom_bytes")})
@@ -261,20 +345,24 @@ class StatusViews:
                 "history": history.samples_since(since)}
 
     def _page_workers(self) -> list[dict[str, Any]]:
-        worker = self.supervisor.describe()
-        if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
-            worker["last_exit"] = {k: v for k, v in worker["last_exit"].items() if k != "stderr_tail"}
-        if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
-            worker["incarnation"] = str(worker["incarnation"])
-        link = self.dispatcher.link
-        worker["running"] = len(link.in_flight) if link else 0
-        worker["memory"] = worker["prompt_cache"] = None
-        if link is not None and link.status is not None:
-            worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
-            worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
-            cache = link.status.get("prompt_cache")
-            worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
-        return [worker]
+        out = []
+        for w in self.fleet.workers.values():
+            worker = w.sup.describe()
+            if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
+                worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
+                                       if k != "stderr_tail"}
+            if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
+                worker["incarnation"] = str(worker["incarnation"])
+            link = self._link(w.sup.incarnation)
+            worker["running"] = len(link.in_flight) if link else 0
+            worker["memory"] = worker["prompt_cache"] = None
+            if link is not None and link.status is not None:
+                worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
+                worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
+                cache = link.status.get("prompt_cache")
+                worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
+            out.append(worker)
+        return out
 
     async def status(self, request: web.Request) -> web.Response:
         try:

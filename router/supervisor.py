@@ -26,10 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from common.protocol import ExitCode, Hello
-from router.dispatch import Dispatcher
+from common.protocol import ExitCode, Heartbeat, Hello, Shutdown
+
+if TYPE_CHECKING:
+    from router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,41 @@ def stall_timeout_s(report: dict[str, Any] | None) -> float:
     if isinstance(worst, (int, float)) and worst > 0:
         return max(STALL_TIMEOUT_S, STALL_STEP_FACTOR * float(worst))
     return STALL_TIMEOUT_S
+
+
+@dataclass(slots=True)
+class Liveness:
+    """What the frames say about a worker's life; ``verdict`` judges it (the supervisor's call).
+
+    The dispatcher records what it hears; the stall clock runs only while work waits: it
+    restarts when the step counter moves and when an idle worker becomes busy (an idle
+    worker's counter stands still, rightly)."""
+
+    heard_at: float
+    step: int = 0
+    step_changed_at: float = 0.0
+    has_work: bool = False
+
+    def heard(self, now: float) -> None:
+        self.heard_at = now
+
+    def beat(self, step: int, has_work: bool, now: float) -> None:
+        if step != self.step or (has_work and not self.has_work):
+            self.step, self.step_changed_at = step, now
+        self.has_work = has_work
+
+    def work_started(self, now: float) -> None:
+        self.step_changed_at = now
+
+    def verdict(self, now: float, report: dict[str, Any] | None) -> str | None:
+        """Why the worker is to be treated as dead, or None while it is alive."""
+        silent_s = now - self.heard_at
+        stalled_s = now - self.step_changed_at if self.has_work else 0.0
+        if silent_s > HEARTBEAT_TIMEOUT_S:
+            return f"silent for {silent_s:.1f}s"
+        if stalled_s > stall_timeout_s(report):
+            return f"engine loop wedged for {stalled_s:.1f}s"
+        return None
 
 
 class WorkerState(StrEnum):
@@ -100,18 +137,22 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
 
 
 class Supervisor:
-    """One worker's life as the router sees it."""
+    """One worker's life as the router sees it (one per worker: spawned, or external)."""
 
     def __init__(self, dispatcher: Dispatcher, spawn: SpawnSpec | None, metrics: Any,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, model: str = "",
+                 incarnation: int | None = None) -> None:
         self.dispatcher = dispatcher
         self.spawn_spec = spawn
         self.metrics = metrics
         self.clock = clock
+        self.model = model              # the catalog alias this worker serves
         self.state = WorkerState.STARTING
         self.reason = "waiting for the worker to start" if spawn else "waiting for a worker to connect"
         self.pid: int | None = None
-        self.incarnation: int | None = None
+        # An external worker is adopted by its first hello, or given one by whoever saw it.
+        self.incarnation: int | None = incarnation
+        self.on_failed: Callable[[Supervisor, str | None], None] = _mark_model_unavailable
         self.num_restarts = 0
         self.last_exit: ExitRecord | None = None
         self.ready_at: float | None = None
@@ -126,8 +167,6 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
-        dispatcher.hello_listeners.append(self.on_hello)
-        dispatcher.on_shutdown = self.on_worker_shutdown
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -136,13 +175,14 @@ class Supervisor:
         if self.spawn_spec is not None:
             self._tasks.append(asyncio.create_task(self._spawn_loop(), name="supervisor-spawn"))
 
-    async def stop(self) -> None:
-        """Stop the worker we spawned (never an external one), TERM then KILL."""
+    async def stop(self, reason: str = "router shutting down") -> None:
+        """Stop the worker we spawned (never an external one), TERM then KILL, and wait
+        until its process has exited: only then is its memory really back."""
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            log.info("[shutdown] stopping worker %d", proc.pid)
-            self.dispatcher.request_shutdown("router shutting down")
+            log.info("[shutdown] stopping worker %d: %s", proc.pid, reason)
+            self.request_shutdown(reason)
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             try:
@@ -155,6 +195,18 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.spawn_spec is not None and self.incarnation is not None:
+            self.dispatcher.worker_lost(self.incarnation, reason)
+
+    @property
+    def is_exited(self) -> bool:
+        return self._proc is None or self._proc.returncode is not None
+
+    def request_shutdown(self, reason: str) -> None:
+        """Ask the worker to finish up and exit."""
+        if self.incarnation is not None:
+            self.dispatcher.send_to(self.incarnation, Shutdown(incarnation=self.incarnation,
+                                                               reason=reason))
 
     def restart_now(self) -> None:
         """Operator action (SIGHUP, POST /admin/workers/restart): forget the crash history."""
@@ -170,9 +222,9 @@ class Supervisor:
     # -- events ----------------------------------------------------------------------
 
     def on_hello(self, hello: Hello) -> None:
-        if self.spawn_spec is not None and hello.incarnation != self.incarnation:
-            log.warning("hello from an unknown incarnation %d ignored", hello.incarnation)
-            return
+        if self.incarnation is not None and hello.incarnation != self.incarnation \
+                and (self.spawn_spec is not None or self.state is not WorkerState.DOWN):
+            return  # another worker's (each supervisor hears every hello)
         self.incarnation = hello.incarnation
         self.pid = hello.pid
         self.ready_at = self.clock()
@@ -184,7 +236,7 @@ class Supervisor:
 
     def on_worker_shutdown(self, incarnation: int, reason: str) -> None:
         log.info("worker %d says it is shutting down: %s", incarnation, reason)
-        if self.spawn_spec is None:
+        if self.spawn_spec is None and incarnation == self.incarnation:
             self._lost(incarnation, f"worker shut down: {reason}", WorkerState.DOWN)
 
     # -- spawned workers -------------------------------------------------------------
@@ -288,17 +340,14 @@ class Supervisor:
     async def _monitor_loop(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
-            self.dispatcher.send_heartbeat()
-            link = self.dispatcher.link
+            incarnation = self.incarnation
+            link = self.dispatcher.links.get(incarnation) if incarnation is not None else None
             if link is None:
                 continue
-            now = self.clock()
-            silent_s = now - link.heartbeat_at
-            stalled_s = now - link.step_changed_at if link.has_work else 0.0
-            if silent_s > HEARTBEAT_TIMEOUT_S:
-                self._unresponsive(link.incarnation, f"silent for {silent_s:.1f}s")
-            elif stalled_s > stall_timeout_s(link.status):
-                self._unresponsive(link.incarnation, f"engine loop wedged for {stalled_s:.1f}s")
+            self.dispatcher.send_to(link.incarnation, Heartbeat(incarnation=link.incarnation))
+            why = link.liveness.verdict(self.clock(), link.status)
+            if why is not None:
+                self._unresponsive(link.incarnation, why)
 
     def _unresponsive(self, incarnation: int, why: str) -> None:
         if self.spawn_spec is not None:
@@ -314,18 +363,24 @@ class Supervisor:
     def _set(self, state: WorkerState, reason: str) -> None:
         if state is not self.state:
             log.info("worker state %s → %s: %s", self.state, state, reason)
-        if state is WorkerState.FAILED:
-            self.dispatcher.set_unavailable(f"the worker has failed: {reason}; an operator must "
-                                            "restart it (SIGHUP or POST /admin/workers/restart)")
-        elif self.state is WorkerState.FAILED:
-            self.dispatcher.set_unavailable(None)
+        was_failed = self.state is WorkerState.FAILED
         self.state, self.reason = state, reason
+        if state is WorkerState.FAILED:
+            self.on_failed(self, f"the worker has failed: {reason}; an operator must restart "
+                                 "it (SIGHUP or POST /admin/workers/restart)")
+        elif was_failed:
+            self.on_failed(self, None)
         self.metrics.worker_state.state(state.value)
 
     def describe(self) -> dict[str, Any]:
-        return {"state": self.state.value, "reason": self.reason, "pid": self.pid,
+        return {"model": self.model, "state": self.state.value, "reason": self.reason, "pid": self.pid,
                 "incarnation": self.incarnation, "restarts": self.num_restarts,
                 "mode": "spawn" if self.spawn_spec else "external",
                 "last_start_s": self.last_start_s,
                 "last_backoff_s": self.last_backoff_s,
                 "last_exit": self.last_exit.to_dict() if self.last_exit else None}
+
+
+def _mark_model_unavailable(sup: Supervisor, reason: str | None) -> None:
+    """The default for one worker per model: its failure makes the model unavailable."""
+    sup.dispatcher.set_unavailable(sup.model, reason)

@@ -26,8 +26,8 @@ from common.curve import ClientKeys
 from common.errors import ProtocolError
 from common.log import about
 from common.protocol import (
-    Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Reject, RejectReason,
-    Shutdown, Status, Tokens, decode, encode, MAX_FRAME_BYTES,
+    Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Limit, Reject, RejectReason,
+    Shutdown, Status, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
 )
 from worker.engine import Engine, Output
 from worker.gate import EngineView, MemoryGate, is_memory_error
@@ -237,6 +237,34 @@ class WorkerServer:
             self.stop_reason = "asked by router" + (f": {msg.reason}" if msg.reason else "")
         elif isinstance(msg, Heartbeat):
             self._router_seen_at = time.monotonic()
+        elif isinstance(msg, Trim):
+            self.trim()
+        elif isinstance(msg, Limit):
+            self.set_limit(msg.limit_bytes)
+
+    def trim(self) -> None:
+        """Another model needs room: give back what is evictable (the prompt cache's RAM
+        entries no request holds, MLX's buffer cache) and report the result."""
+        if self.cache is not None:
+            self.cache.evict(self.cache.ledger().resident_bytes, "trim")
+        self.memory.probe.clear_cache()
+        self._changed = True
+        log.info("trimmed on the router's request")
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """A new share of the host budget: the budget moves with the limit (never below
+        what is promised now), and the next Status carries the new cost model."""
+        probe = self.memory.probe
+        old = probe.limit_bytes
+        if limit_bytes <= 0 or limit_bytes == old:
+            return
+        fitted = self.gate.fitted
+        budget = max(self.memory.reserved_bytes, fitted.budget_bytes + limit_bytes - old)
+        probe.limit_bytes = old + (budget - fitted.budget_bytes)
+        self.gate.set_fitted(dataclasses.replace(fitted, budget_bytes=budget))
+        self._changed = True
+        log.info("memory limit %d → %d MiB on the router's request", old >> 20,
+                 probe.limit_bytes >> 20)
 
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""

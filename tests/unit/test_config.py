@@ -125,7 +125,7 @@ def test_process_environment_is_not_read(env: dict[str, str], monkeypatch: pytes
     monkeypatch.setenv("MLX_ROUTER_PORT", "1234")
     monkeypatch.setenv("MLX_ROUTER_MODEL", "from-os-environ")
     cfg = load_router(["--model", "m"], env)
-    assert (cfg.model, cfg.port) == ("m", 8080)
+    assert (cfg.model, cfg.port) == (("m",), 8080)
 
 
 # -- the config file -----------------------------------------------------------------
@@ -141,13 +141,13 @@ def test_default_config_path(tmp_path: Path) -> None:
 def test_file_at_default_path_is_read(env: dict[str, str]) -> None:
     write(default_config_path(env), '[router]\nmodel = "from-default"\nport = 4242\n')
     cfg = load_router([], env)
-    assert (cfg.model, cfg.port) == ("from-default", 4242)
+    assert (cfg.model, cfg.port) == (("from-default",), 4242)
 
 
 def test_file_at_default_path_under_home(tmp_path: Path) -> None:
     e = {"HOME": str(tmp_path)}
     write(tmp_path / ".config" / "mlx-headroom" / "config.toml", '[router]\nmodel = "h"\n')
-    assert load_router([], e).model == "h"
+    assert load_router([], e).model == ("h",)
 
 
 def test_config_flag_overrides_default_path(env: dict[str, str], tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_config_from_env(env: dict[str, str], tmp_path: Path) -> None:
 def test_one_file_two_tables(env: dict[str, str], tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", '[router]\nmodel = "r"\nport = 9\n'
                  '[worker]\nmodel = "w"\nrouter = "addr"\nmax_batch_size = 3\n')
-    assert load_router(["--config", str(path)], env).model == "r"
+    assert load_router(["--config", str(path)], env).model == ("r",)
     cfg = load_worker(["--config", str(path)], env)
     assert (cfg.model, cfg.max_batch_size) == ("w", 3)
 
@@ -401,6 +401,15 @@ def test_every_field_has_help() -> None:
     for cls in (RouterConfig, WorkerConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_a_model_path_with_spaces_is_one_model_and_a_toml_list_several(env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    e = dict(env, MLX_ROUTER_MODEL="/Users/me/My Models/qwen")
+    assert load_router([], e).model == ("/Users/me/My Models/qwen",)
+    path = write(tmp_path / "c.toml", '[router]\nmodel = ["chat=demo", "/m/b c"]\n')
+    assert load_router(["--config", str(path)], env).model == ("chat=demo", "/m/b c")
+    assert load_router(["--model", "a", "--model", "b=demo"], env).model == ("a", "b=demo")
 
 
 def test_prompt_cache_flags_pass_through_to_the_spawned_worker() -> None:

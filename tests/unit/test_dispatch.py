@@ -1,4 +1,5 @@
-"""Dispatcher bookkeeping with a fake clock: liveness, the stall clock, stale incarnations."""
+"""Dispatcher bookkeeping with a fake clock: liveness, the stall clock, stale incarnations,
+and routing among the workers of a model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 
 from common.costmodel import CostModel
 from common.protocol import Heartbeat, Hello, Tokens
-from router.backlog import Backlog
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, Sampling, TokenEvent
 from router.status import Metrics
@@ -29,15 +29,15 @@ class Clock:
 @pytest.fixture
 def dispatcher() -> Iterator[tuple[Dispatcher, Clock]]:
     clock = Clock()
-    d = Dispatcher("inproc://unused", Backlog(8), Metrics(), clock=clock)
-    d._send = lambda msg: None  # type: ignore[method-assign]  # no socket in unit tests
+    d = Dispatcher("inproc://unused", 8, Metrics(), clock=clock)
+    d.sent = []  # type: ignore[attr-defined]
+    d._send = lambda link, msg: d.sent.append((link.incarnation, msg))  # type: ignore[method-assign,attr-defined]
     hello = Hello(incarnation=7, pid=1, package_version="t", model_id="m", fingerprint="f",
                   context_length=4096, tokenizer_path="/x", eos_token_ids=[0], admission=True,
                   cost_model=MODEL.to_dict())
     d._handle(b"w7", hello)
     yield d, clock
-    d._sock.close(0)
-    d._ctx.term()
+    d.channel.close()
 
 
 def test_idle_worker_that_becomes_busy_restarts_the_stall_clock(dispatcher: tuple[Dispatcher, Clock]) -> None:
@@ -45,8 +45,7 @@ def test_idle_worker_that_becomes_busy_restarts_the_stall_clock(dispatcher: tupl
     d._handle(b"w7-hb", Heartbeat(incarnation=7, step=5, has_work=False))
     clock.now = 60.0  # a minute idle: the step counter stood still, rightly
     d._handle(b"w7-hb", Heartbeat(incarnation=7, step=5, has_work=True))
-    assert d.link is not None
-    assert clock.now - d.link.step_changed_at < stall_timeout_s(None)
+    assert clock.now - d.links[7].liveness.step_changed_at < stall_timeout_s(None)
 
 
 def test_dispatch_to_an_idle_worker_restarts_the_stall_clock(dispatcher: tuple[Dispatcher, Clock]) -> None:
@@ -54,7 +53,7 @@ def test_dispatch_to_an_idle_worker_restarts_the_stall_clock(dispatcher: tuple[D
     clock.now = 100.0
     job = _submit_to_worker_7(d, enqueued_at=clock.now)
     assert job.state is JobState.RUNNING
-    assert d.link is not None and d.link.step_changed_at == 100.0
+    assert d.links[7].liveness.step_changed_at == 100.0
 
 
 def test_frames_from_an_old_incarnation_are_dropped(dispatcher: tuple[Dispatcher, Clock]) -> None:
@@ -71,7 +70,7 @@ def test_worker_lost_requeues_jobs_without_output_once(dispatcher: tuple[Dispatc
     d, clock = dispatcher
     job = _submit_to_worker_7(d)
     assert d.worker_lost(7, "killed") is False
-    assert job.state is JobState.QUEUED and len(d.backlog) == 1
+    assert job.state is JobState.QUEUED and d.num_queued("m") == 1
 
 
 def test_stall_timeout_follows_the_slowest_step() -> None:
@@ -84,7 +83,7 @@ def _submit_to_worker_7(d: Dispatcher, enqueued_at: float = 0.0) -> Job:
     """Worker 7 reports in, then job r1 (3 prompt tokens, 4 to generate) is submitted."""
     d._handle(b"w7", _status(7))
     job = Job(request_id="r1", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
-              deadline=1e9, enqueued_at=enqueued_at)
+              deadline=1e9, enqueued_at=enqueued_at, model="m")
     d.submit(job)
     return job
 
@@ -107,12 +106,12 @@ def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tup
     d, clock = dispatcher
     d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0}))  # hold everything
     small = Job(request_id="small", prompt_ids=[1] * 100, sampling=Sampling(max_tokens=100),
-                deadline=1e9, enqueued_at=0.0)
+                deadline=1e9, enqueued_at=0.0, model="m")
     big = Job(request_id="big", prompt_ids=[1] * 3000, sampling=Sampling(max_tokens=1000),
-              deadline=1e9, enqueued_at=0.0)
+              deadline=1e9, enqueued_at=0.0, model="m")
     d.submit(small)
     d.submit(big)
-    assert len(d.backlog) == 2
+    assert d.num_queued("m") == 2
     # Find a scale at which the big one can never fit but the small one still can.
     scale = 1.0
     while not costmodel.never_fits(dataclasses.replace(MODEL, scale=scale), 3000, 1000):
@@ -126,4 +125,58 @@ def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tup
     assert event.extra["needed_bytes"] == costmodel.request_cost_bytes(grown, 3000, 1000)
     assert event.extra["max_request_tokens"] == costmodel.max_request_tokens(grown) < 4000
     assert small.state is JobState.QUEUED and small.events.empty()
-    assert list(d.backlog.waiting) == ["small"]
+    assert list(d.backlog("m").waiting) == ["small"]
+
+
+def _hello(incarnation: int) -> Hello:
+    return Hello(incarnation=incarnation, pid=incarnation, package_version="t", model_id="m",
+                 fingerprint="f", context_length=4096, tokenizer_path="/x", eos_token_ids=[0],
+                 admission=True, cost_model=MODEL.to_dict())
+
+
+def _job(request_id: str, model: str = "m") -> Job:
+    return Job(request_id=request_id, prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4),
+               deadline=1e9, enqueued_at=0.0, model=model)
+
+
+def _two_workers_four_jobs(d: Dispatcher) -> list[Job]:
+    """Workers 7 and 8 of model m report room for 4 each; four jobs are submitted."""
+    from common.protocol import Status
+
+    d._handle(b"w8", _hello(8))
+    for incarnation in (7, 8):
+        d._handle(b"w", Status(incarnation=incarnation, report={"max_running_requests": 4}))
+    jobs = [_job(f"r{i}") for i in range(4)]
+    for job in jobs:
+        d.submit(job)
+    return jobs
+
+
+def test_jobs_spread_over_the_workers_of_their_model(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    _two_workers_four_jobs(d)
+    assert sorted(len(link.in_flight) for link in d.links.values()) == [2, 2]
+    # A job for another model waits for a worker of that model, whatever room these have.
+    other = _job("x", model="other")
+    d.submit(other)
+    assert other.state is JobState.QUEUED and d.num_queued("other") == 1
+
+
+def test_a_lost_worker_s_unstarted_jobs_go_to_the_other_worker(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    d, clock = dispatcher
+    _two_workers_four_jobs(d)
+    on_7 = list(d.links[7].in_flight.values())
+    d.worker_lost(7, "killed")
+    assert all(job.incarnation == 8 and job.state is JobState.RUNNING for job in on_7)
+    assert len(d.links[8].in_flight) == 4 and 7 not in d.links
+
+
+def test_a_retiring_worker_gets_no_new_job(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    from common.protocol import Status
+
+    d, clock = dispatcher
+    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 4}))
+    d.links[7].retiring = True
+    job = _job("r1")
+    d.submit(job)
+    assert job.state is JobState.QUEUED

@@ -16,7 +16,7 @@ from common import protocol
 from common.errors import HeadroomError, ProtocolError
 from common.protocol import (
     MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, ExitCode, FinishReason, Generate,
-    Heartbeat, Hello, Reject, RejectReason, SamplingParams, Shutdown, Status, Tokens, decode,
+    Heartbeat, Hello, Reject, RejectReason, SamplingParams, Limit, Shutdown, Status, Tokens, Trim, decode,
     encode,
 )
 
@@ -43,10 +43,12 @@ EXAMPLES: list[Any] = [
     Status(incarnation=7, report={"budget_bytes": 1 << 30, "running": 2, "device": "cpu"}),
     Heartbeat(incarnation=7, step=3, has_work=True),
     Shutdown(incarnation=7, reason="bye"),
+    Trim(incarnation=7),
+    Limit(incarnation=7, limit_bytes=1 << 30),
 ]
 
 DESIGN_MESSAGE_TYPES = {"hello", "generate", "cancel", "tokens", "reject", "status",
-                        "heartbeat", "shutdown"}
+                        "heartbeat", "shutdown", "trim", "limit"}
 DESIGN_ERROR_STATUSES = {
     "invalid_request": 400, "context_length_exceeded": 400, "insufficient_memory": 400,
     "unauthorized": 401, "payload_too_large": 413, "queue_full": 429, "no_worker": 503,

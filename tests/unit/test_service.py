@@ -14,8 +14,8 @@ import pytest
 
 from common.config import permanent_exit
 from router.service import (
-    EXIT_TIMEOUT_S, JOBS, PERMANENT_EXIT_CODES, example_spec, label, launchd_plist, render,
-    systemd_unit,
+    EXIT_TIMEOUT_S, JOBS, PERMANENT_EXIT_CODES, example_multi_spec, example_spec, label,
+    launchd_plist, render, systemd_unit,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +27,18 @@ def test_deploy_files_are_current_renderings(job: str) -> None:
     spec = example_spec()
     assert (ROOT / "deploy" / "launchd" / f"{label(job)}.plist").read_bytes() == render(spec, job, "darwin")
     assert (ROOT / "deploy" / "systemd" / f"{label(job)}.service").read_bytes() == render(spec, job, "linux")
+
+
+def test_multi_model_deploy_files_are_current_renderings() -> None:
+    spec = example_multi_spec()
+    assert spec.jobs == ("router",)
+    folder = ROOT / "deploy"
+    assert (folder / "launchd" / "multi-model" / f"{label('router')}.plist").read_bytes() == \
+        render(spec, "router", "darwin")
+    assert (folder / "systemd" / "multi-model" / f"{label('router')}.service").read_bytes() == \
+        render(spec, "router", "linux")
+    argv = launchd_plist(spec, "router")["ProgramArguments"]
+    assert "--worker-mode" not in argv and argv.count("--model") == 2
 
 
 @pytest.mark.parametrize("job", JOBS)

@@ -29,7 +29,7 @@ def test_prompt_cache_metrics_by_tier() -> None:
             "disk": {"entries": 4, "bytes": 400, "hits": 2, "misses": 1, "writes": 6, "corrupt": 1,
                      "dropped": 0, "evictions": 3}}}}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in PromptCacheMetrics(lambda: report).collect() for s in family.samples}
+               for family in PromptCacheMetrics(lambda: [report]).collect() for s in family.samples}
     assert samples[("headroom_prompt_cache_hits_total", (("tier", "ram"),))] == 3
     assert samples[("headroom_prompt_cache_hits_total", (("tier", "disk"),))] == 2
     assert samples[("headroom_prompt_cache_misses_total", (("tier", "ram"),))] == 4  # two the disk served

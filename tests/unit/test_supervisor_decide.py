@@ -72,10 +72,13 @@ def ready_then_die(sup: Supervisor, clock: FakeClock, at: float, *, up_for: floa
     return sup.decide(returncode, was_ready=True, blamed_on_quarantine=blamed, now=at)
 
 
-def test_wires_itself_to_the_dispatcher(sup: Supervisor) -> None:
-    dispatcher: Any = sup.dispatcher
-    assert dispatcher.on_hello == sup.on_hello or sup.on_hello in dispatcher.hello_listeners
-    assert dispatcher.on_shutdown == sup.on_worker_shutdown
+def test_starts_in_starting(sup: Supervisor) -> None:
+    assert sup.state is WorkerState.STARTING
+
+
+def test_hello_of_another_worker_is_not_ours(sup: Supervisor) -> None:
+    sup.incarnation = 3
+    sup.on_hello(hello(4))
     assert sup.state is WorkerState.STARTING
 
 

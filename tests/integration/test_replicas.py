@@ -1,0 +1,59 @@
+"""Two workers of one model (--replicas 2): requests spread over both; one's death is its own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import openai
+
+from tests.conftest import wait_until
+from tests.integration.conftest import Router
+
+LOAD_S = 90.0
+
+
+def ready_workers(router: Router) -> list[dict[str, Any]] | None:
+    workers = [w for w in router.health().get("workers", []) if w.get("state") == "ready"]
+    return workers if len(workers) == 2 else None
+
+
+def more_chunks(stream: Any, n: int) -> str:
+    try:
+        for _ in range(n):
+            next(stream)
+        return "ok"
+    except openai.APIError:
+        return "error"
+
+
+def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., Router]) -> None:
+    router = fresh_router("--replicas", "2", "--max-running-requests", "2")
+    wait_until(lambda: ready_workers(router), LOAD_S, "two ready workers", on_fail=router.log)
+    client = router.client()
+    streams = [client.completions.create(model="m", prompt="Keep talking.", max_tokens=3000,
+                                         stream=True, extra_body={"ignore_eos": True})
+               for _ in range(4)]
+    iters = [iter(s) for s in streams]
+    for it in iters:
+        next(it)
+    running = sorted(w["running"] for w in router.health()["workers"])
+    assert running == [2, 2], "four streams over two workers of two rows each"
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        # Two more wait in the queue: both workers are full.
+        queued = [pool.submit(client.completions.create, model="m", prompt="q", max_tokens=4)
+                  for _ in range(2)]
+        wait_until(lambda: router.health().get("queued") == 2, 10, "two queued requests")
+        victim = router.health()["workers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        outcomes = sorted(pool.map(lambda it: more_chunks(it, 300), iters))
+        assert outcomes == ["error", "error", "ok", "ok"], "the dead worker's streams end, the other's go on"
+        for stream in streams:
+            stream.close()
+        for future in queued:  # not lost: served by the survivor or the restarted worker
+            r = future.result(timeout=LOAD_S)
+            assert r.usage is not None and r.usage.completion_tokens == 4
+    wait_until(lambda: ready_workers(router), LOAD_S, "the killed replica back", on_fail=router.log)

@@ -1,0 +1,164 @@
+"""router/fleet.py carrying out placement: loads, trims, evictions, leases, idle unload.
+
+No process is spawned: ``Supervisor.start`` and ``stop`` are replaced, hellos and exits are
+played by hand, and the dispatcher's socket sends are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from common.costmodel import CostModel
+from common.protocol import ExitCode, Hello, Limit, Status, Trim
+from router.dispatch import Dispatcher
+from router.fleet import Fleet, ModelState
+from router.job import Job, Sampling
+from router.models import ModelSpec
+from router.status import Metrics
+from router.supervisor import ExitRecord, SpawnSpec, Supervisor, WorkerState
+
+MIB = 1 << 20
+# 10 MiB of weights, 64 KiB of KV a token, 4096 tokens: need ~91 MiB, want ~330 MiB.
+SPECS = [ModelSpec(alias=a, source=f"/m/{a}", weights_bytes=10 * MIB, kv_bytes_per_token=65536,
+                   context_length=4096) for a in ("a", "b")]
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def world(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Fleet, Dispatcher, list[Any], Clock]]:
+    stopped: list[Supervisor] = []
+
+    async def start(self: Supervisor) -> None:
+        self.incarnation = 1000 + len(fleet.workers)
+
+    async def stop(self: Supervisor, reason: str = "") -> None:
+        stopped.append(self)
+        if self.incarnation is not None:
+            self.dispatcher.worker_lost(self.incarnation, reason)
+
+    monkeypatch.setattr(Supervisor, "start", start)
+    monkeypatch.setattr(Supervisor, "stop", stop)
+    clock = Clock()
+    dispatcher = Dispatcher("inproc://fleet-test", 64, Metrics(), clock=clock)
+    sent: list[Any] = []
+    dispatcher._send = lambda link, msg: sent.append(msg)  # type: ignore[method-assign]
+    fleet = Fleet(SPECS, dispatcher, Metrics(), make_spawn=lambda spec, lease: SpawnSpec([spec.source], {}),
+                  budget_bytes=200 * MIB, cap_bytes=None, keep_alive_s=5.0, clock=clock)
+    yield fleet, dispatcher, sent, clock
+    dispatcher.channel.close()
+
+
+async def settle(fleet: Fleet) -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+        await asyncio.gather(*list(fleet._pending))
+
+
+async def hello_from(fleet: Fleet, dispatcher: Dispatcher, model: str) -> int:
+    """The newest worker of ``model`` (started) says hello and reports."""
+    await settle(fleet)
+    w = [w for w in fleet.workers.values() if w.model == model][-1]
+    incarnation = w.sup.incarnation
+    assert incarnation is not None
+    dispatcher._handle(f"w{incarnation}".encode(), Hello(
+        incarnation=incarnation, pid=incarnation, package_version="t", model_id=f"/m/{model}",
+        fingerprint="f", context_length=4096, tokenizer_path=f"/m/{model}", eos_token_ids=[0],
+        admission=True, cost_model=CostModel(kv_bytes_per_token=65536, num_layers=4,
+                                             prefill_a_bytes=1.0, prefill_c_bytes=1.0,
+                                             budget_bytes=(w.lease_bytes or 0) - 30 * MIB,
+                                             context_length=4096,
+                                             prefill_step_tokens=256).to_dict()))
+    dispatcher._handle(b"w", Status(incarnation=incarnation, report={
+        "max_running_requests": 4, "limit_bytes": w.lease_bytes}))
+    return incarnation
+
+
+def job(model: str, rid: str) -> Job:
+    return Job(request_id=rid, prompt_ids=[1, 2], sampling=Sampling(max_tokens=2), deadline=1e9,
+               enqueued_at=0.0, model=model)
+
+
+async def test_a_queued_request_loads_its_model_once_with_a_share_of_the_budget(world: Any) -> None:
+    fleet, dispatcher, sent, clock = world
+    for i in range(3):
+        dispatcher.submit(job("a", f"r{i}"))
+    fleet.reconcile()
+    fleet.reconcile()
+    (w,) = fleet.workers.values()
+    assert w.model == "a" and w.lease_bytes == 200 * MIB  # all that is free: it wants more
+    assert fleet.state_of(fleet.models["a"]) is ModelState.LOADING
+    await hello_from(fleet, dispatcher, "a")
+    assert fleet.state_of(fleet.models["a"]) is ModelState.LOADED
+    assert dispatcher.num_in_flight("a") == 3
+
+
+async def test_room_is_made_by_trimming_then_stopping_the_idle_model(world: Any) -> None:
+    fleet, dispatcher, sent, clock = world
+    dispatcher.submit(first := job("a", "r1"))
+    fleet.reconcile()
+    incarnation = await hello_from(fleet, dispatcher, "a")
+    dispatcher.submit(job("b", "r2"))
+    fleet.reconcile()
+    assert not any(isinstance(m, Trim) for m in sent), "a is busy: nothing is asked of it"
+    assert [w.model for w in fleet.workers.values()] == ["a"]
+    dispatcher.cancel(first)  # a is idle now
+    fleet.reconcile()
+    assert any(isinstance(m, Trim) and m.incarnation == incarnation for m in sent)
+    await settle(fleet)
+    fleet.reconcile()
+    assert [w.model for w in fleet.workers.values()] == ["b"]
+    assert fleet.leased_bytes() <= 200 * MIB
+
+
+async def test_a_pinned_model_is_never_stopped_for_another(world: Any) -> None:
+    fleet, dispatcher, sent, clock = world
+    fleet.models["a"].pinned = True
+    fleet.reconcile()
+    await hello_from(fleet, dispatcher, "a")
+    dispatcher.submit(job("b", "r1"))
+    fleet.reconcile()
+    await settle(fleet)
+    assert [w.model for w in fleet.workers.values()] == ["a"]
+
+
+async def test_idle_past_keep_alive_unloads_and_room_grows_the_others_lease(world: Any) -> None:
+    fleet, dispatcher, sent, clock = world
+    fleet.budget_bytes = 440 * MIB  # a wants ~330: b gets the ~110 left, less than it wants
+    fleet.models["b"].keep_alive_s = -1.0
+    for model in ("a", "b"):
+        dispatcher.submit(j := job(model, f"r-{model}"))
+        fleet.reconcile()
+        await hello_from(fleet, dispatcher, model)
+        dispatcher.cancel(j)
+    leases = {w.model: w.lease_bytes for w in fleet.workers.values()}
+    assert leases["b"] is not None and leases["b"] < 120 * MIB
+    clock.now += 6.0  # a idles past its 5 s keep-alive; b is kept for ever
+    fleet.reconcile()
+    await settle(fleet)
+    (b,) = fleet.workers.values()
+    assert b.model == "b" and b.lease_bytes is not None and b.lease_bytes > leases["b"]
+    assert any(isinstance(m, Limit) and m.limit_bytes == b.lease_bytes for m in sent)
+    assert fleet.state_of(fleet.models["a"]) is ModelState.UNLOADED
+
+
+async def test_a_share_too_small_is_a_larger_need_not_a_failure(world: Any) -> None:
+    fleet, dispatcher, sent, clock = world
+    fleet.budget_bytes = 400 * MIB
+    dispatcher.submit(job("a", "r1"))
+    fleet.reconcile()
+    (w,) = fleet.workers.values()
+    w.sup.last_exit = ExitRecord(ExitCode.NO_MEMORY, None, "not enough memory", 0.0)
+    w.sup._set(WorkerState.FAILED, "not enough memory")
+    await settle(fleet)
+    assert "a" not in dispatcher.unavailable and not fleet.workers
+    assert fleet.footprint(fleet.models["a"]).need_bytes > (w.lease_bytes or 0)
