@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,8 @@ def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
     report = cache_report(router)
     assert report["enabled"] and report["hits"] >= 7 and report["cached_tokens"] > 0
     assert report["tiers"]["ram"]["bytes"] == report["ram_bytes"] > 0
-    disk = wait_until(lambda: _written(router), TIMEOUT_S, "conversation ends written to disk")
+    answered = time.time()
+    disk = wait_until(lambda: _written(router, answered), TIMEOUT_S, "conversation ends written to disk")
     assert disk["entries"] > 0 and disk["bytes"] > 0 and disk["corrupt"] == 0
     assert {"hits", "misses", "evictions", "dropped"} <= disk.keys()
     metrics = router.http.get("/metrics").text
@@ -141,10 +143,12 @@ def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
     assert routers["cold"].memory()["workers"][0]["prompt_cache"] == {"enabled": False}
 
 
-def _written(router: Router, at_least: int = 1) -> dict[str, Any] | None:
-    """The disk tier's stats once its writer has nothing queued and ``at_least`` writes."""
-    disk = cache_report(router)["tiers"]["disk"]
-    return disk if disk["pending"] == 0 and disk["writes"] >= at_least else None
+def _written(router: Router, since: float) -> dict[str, Any] | None:
+    """The disk tier's stats once a report made after ``since`` (a response received: its
+    entries were queued before it was sent) shows nothing left in the writer's queue."""
+    report = router.memory()["workers"][0]
+    disk = report["prompt_cache"]["tiers"]["disk"]
+    return disk if report["reported_at"] > since and disk["pending"] == 0 else None
 
 
 def metric(text: str, name: str) -> float:
@@ -192,11 +196,11 @@ def test_after_a_sigkill_the_next_turn_is_warm_from_disk_and_a_corrupt_file_is_s
     router, cold = routers["tight"], routers["cold"]
     talks = {name: [{"role": "system", "content": SYSTEM.format(name=name)},
                     {"role": "user", "content": USERS[0]}] for name in ("Gamma", "Delta")}
-    writes = cache_report(router)["tiers"]["disk"]["writes"]
     for messages in talks.values():  # Delta last: its conversation's state is the newest file
         messages += [{"role": "assistant", "content": text(chat(router, messages, **GREEDY))},
                      {"role": "user", "content": USERS[1]}]
-    wait_until(lambda: _written(router, writes + 2), TIMEOUT_S, "both conversations written to disk")
+    answered = time.time()
+    wait_until(lambda: _written(router, answered), TIMEOUT_S, "both conversations written to disk")
     old = router.worker()["pid"]
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: (w := router.worker()).get("state") == "ready" and w.get("pid") != old,
