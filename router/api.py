@@ -1,26 +1,21 @@
-"""The request path every API shares: parse, validate, admit, enqueue, stream.
+"""The request path every API shares: parse, validate, admit, enqueue, answer.
 
 Each HTTP API is an `Endpoint`: its parser, which turns a body into the internal request
 (`Parsed`), and its presenter, which turns the output back into that API's shapes. The
 OpenAI endpoints are here; router/anthropic_api.py and router/responses_api.py add theirs,
 so queueing, admission, cancellation, keepalives, slow readers and worker loss are one
-code path.
-
-Handlers raise ``HeadroomError``s; the middleware from ``make_error_middleware`` is the one
-place that turns any error into HTTP, with the right status and ``Retry-After``, in the
-error shape of the API whose path was called (OpenAI's unless another claims the prefix).
+code path. Handlers raise ``HeadroomError``s, which router/http_errors.py answers;
+router/sse.py writes the answer (a JSON body or an SSE stream).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,21 +24,21 @@ from aiohttp import web
 
 from common.config import parse_duration
 from common.errors import (
-    BadRequest, ConfigError, HeadroomError, ModelNotFound, NoWorker, PayloadTooLarge, ProtocolError, QueueTimeout,
-    RequestQuarantined, RequestTimeout,
+    BadRequest, ConfigError, HeadroomError, ModelNotFound, NoWorker, QueueTimeout, RequestTimeout,
 )
-from router import admission
 from common.log import about
 from common.protocol import Hello
+from router import admission
 from router.dispatch import Dispatcher
 from router.fleet import Fleet, Served
-from router.job import ChoiceEvents, Job, JobState, Rows, Sampling, TokenEvent
+from router.job import ChoiceEvents, Job, JobState, Rows, Sampling
 from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import ChatPresenter, Collector, Formatter, Presenter
 from router.plan import plan_output, template_tools
 from router.reqid import KEY as REQUEST_ID, make_request_id
 from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
+from router.sse import Responder, SlowReader
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
 
@@ -53,92 +48,6 @@ log = logging.getLogger(__name__)
 # from arrival to queue on 2 cores). Longer ones go to the pool, where the batch encode
 # releases the GIL and a huge prompt cannot stall every other stream.
 INLINE_TOKENIZE_CHARS = 2048
-
-# A stream with nothing to say for this long sends an SSE comment, so a vanished client is
-# noticed (the write fails) even during a long prefill or wait in the queue.
-KEEPALIVE_S = 5.0
-# How often a stream whose client is behind looks at its buffer again (only while behind).
-DRAIN_POLL_S = 0.05
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-# An API's error body for an error (OpenAI's is HeadroomError.to_body).
-ErrorBody = Callable[[HeadroomError], dict[str, Any]]
-# Errors that are the server's own trouble, never the client's business in detail.
-INTERNAL_ERRORS = (HeadroomError, ConfigError, ProtocolError)
-
-
-class HttpError(HeadroomError):
-    """aiohttp's own refusals (404, 405, ...), carried to the error shapes with their status."""
-
-    def __init__(self, exc: web.HTTPException) -> None:
-        super().__init__(exc.reason)
-        self.status = exc.status  # type: ignore[misc]  # per instance: any HTTP status
-        self.type = "invalid_request_error"  # type: ignore[misc]
-        self.code = str(exc.status)  # type: ignore[misc]
-
-
-def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
-    """The middleware that answers every error; ``shapes`` maps a path prefix to its API's body."""
-
-    def body_for(path: str, exc: HeadroomError) -> dict[str, Any]:
-        for prefix, shape in shapes.items():
-            if path == prefix or path.startswith(prefix + "/"):
-                return shape(exc)
-        return exc.to_body()
-
-    @web.middleware
-    async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except HeadroomError as exc:
-            error = public_error(exc)
-        except web.HTTPRequestEntityTooLarge:
-            error = PayloadTooLarge("the request body is too large")
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            error = HttpError(exc)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            error = HeadroomError("internal server error")
-        return web.json_response(body_for(request.path, error), status=error.status,
-                                 headers=error_headers(error))
-
-    return error_middleware
-
-
-# Every error in OpenAI's shape (the app adds the other APIs' shapes by path prefix).
-error_middleware = make_error_middleware({})
-
-
-class SlowReader(Exception):
-    """The client stopped reading its stream; its connection is already closed."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("the client stopped reading its stream")
-        self.response = response
-
-
-def public_error(exc: HeadroomError) -> HeadroomError:
-    """The error a client may see: the server's own troubles are told only in the log."""
-    if type(exc) not in INTERNAL_ERRORS:
-        return exc
-    # Its message may name files (a model folder, a config path): keep it in the log.
-    log.error("internal error answered as a 500: %s", exc.message)
-    return HeadroomError("internal server error")
-
-
-def error_headers(exc: HeadroomError) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(exc.retry_after_s)
-    if isinstance(exc, RequestQuarantined):
-        headers["x-should-retry"] = "false"
-    return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +97,7 @@ class Api:
         self._tokenizer_lock = asyncio.Lock()
         self._tokenizer_task: asyncio.Future[RouterTokenizer] | None = None
         self.num_in_flight = 0
+        self.respond = Responder(cancel=dispatcher.cancel, limits=limits, metrics=metrics)
 
     async def models(self, request: web.Request) -> web.Response:
         # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the
@@ -408,10 +318,10 @@ class Api:
         try:
             if parsed.stream:
                 try:
-                    return await self._stream(request, rows, collectors, present)
+                    return await self.respond.stream(request, rows, collectors, present)
                 except SlowReader as exc:
                     return exc.response  # the jobs are cancelled below, their rows freed
-            return await self._collect(rows, collectors, present)
+            return await self.respond.collect(rows, collectors, present)
         finally:
             self.num_in_flight -= 1
             for job, collector in zip(rows.jobs, collectors):
@@ -435,93 +345,6 @@ class Api:
                  "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
                  f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
                  extra=about(job.request_id, job.incarnation))
-
-    def _feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
-        c = collectors[index]
-        c.feed(event)
-        if c.finished:  # a stop string may end a choice while its row still runs
-            self.dispatcher.cancel(rows.jobs[index])
-
-    async def _collect(self, rows: Rows, collectors: list[Collector], present: Presenter) -> web.Response:
-        while not all(c.finished for c in collectors):
-            index, event = await rows.events.get()
-            if isinstance(event, HeadroomError):
-                raise event
-            self._feed(rows, collectors, index, event)
-        return web.json_response(present.body(collectors, rows.prompt_tokens))
-
-    async def _stream(self, request: web.Request, rows: Rows, collectors: list[Collector],
-                      present: Presenter) -> web.StreamResponse:
-        response: web.StreamResponse | None = None
-        while not all(c.finished for c in collectors):
-            try:
-                async with asyncio.timeout(KEEPALIVE_S):
-                    index, event = await rows.events.get()
-            except TimeoutError:
-                response = response or await self._start_stream(request)
-                await self._write(request, response, present.keepalive())
-                continue
-            if isinstance(event, HeadroomError):
-                if response is None:
-                    raise event  # nothing sent yet: a plain HTTP error is clearer
-                await self._write(request, response, present.error(event))
-                return response
-            response = response or await self._start_stream(request)
-            chunk = self._drain(rows, collectors, present, index, event)
-            if chunk:
-                await self._write(request, response, chunk)
-        assert response is not None
-        await self._write(request, response, present.tail(collectors, rows.prompt_tokens))
-        return response
-
-    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """Write to the stream; a client that leaves the buffer full too long is dropped.
-
-        ``write`` waits while the transport holds more than --stream-buffer-bytes, so a
-        client that stops reading cannot make the router hold its output without bound; past
-        --slow-reader-timeout the request is cancelled (``_run`` frees its worker row) and
-        the connection closed.
-        """
-        transport = request.transport
-        try:
-            async with asyncio.timeout(self.limits.slow_reader_timeout_s):
-                await response.write(data)
-                # aiohttp waits for the socket only every 64 KiB written; hold to our bound.
-                while transport is not None and \
-                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes:
-                    await asyncio.sleep(DRAIN_POLL_S)
-        except TimeoutError:
-            self.metrics.slow_readers.inc()
-            log.info("dropping a stream whose client stopped reading for %.0fs",
-                     self.limits.slow_reader_timeout_s)
-            if transport is not None:
-                transport.abort()
-            raise SlowReader(response) from None
-
-    def _drain(self, rows: Rows, collectors: list[Collector], present: Presenter, index: int,
-               event: TokenEvent) -> bytes:
-        """Feed this event and any already waiting, and return one SSE write for them."""
-        touched = {index: None}
-        self._feed(rows, collectors, index, event)
-        while not rows.events.empty():
-            more_index, more = rows.events.get_nowait()
-            if isinstance(more, HeadroomError):
-                rows.events.put_nowait((more_index, more))  # keep it for the loop: flush the text first
-                break
-            touched[more_index] = None
-            self._feed(rows, collectors, more_index, more)
-        return b"".join(present.delta(collectors[i]) for i in touched)
-
-    async def _start_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await response.prepare(request)
-        sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None:
-            # The kernel's send buffer autotunes to megabytes for a peer that does not read;
-            # a token stream needs far less, and this keeps the whole buffer bounded.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.stream_buffer_bytes)
-        return response
 
 
 def row_sampling(sampling: Sampling, index: int) -> Sampling:

@@ -19,7 +19,8 @@ from common.errors import ConfigError, HeadroomError
 from router import access, anthropic_output
 from router.access import AccessPolicy
 from router.anthropic_api import Messages
-from router.api import Api, make_error_middleware
+from router.api import Api
+from router.http_errors import make_error_middleware
 from router.curve import CurveServer
 from router.dispatch import Dispatcher
 from router.limits import Limits

@@ -26,7 +26,7 @@ SYSTEMS = ("headroom", "mlx_lm_server", "inprocess")
 SERVERS = ("headroom", "mlx_lm_server")
 CONCURRENCY = ("1", "2")
 WORKLOADS = tuple(f"short:{c}" for c in CONCURRENCY)
-NUM_REQUESTS, MAX_TOKENS = 2, 8
+NUM_REQUESTS, MAX_TOKENS = 2, 24
 MIXED_LONG_TOKENS, MIXED_SHORTS, MIXED_MAX_TOKENS = 96, 2, 4
 PAIRED = 3
 MIXED_FIGURES = ("short_ttft_p50_ms", "short_ttft_p99_ms", "short_ttft_max_ms", "long_ttft_p50_ms")
@@ -86,7 +86,10 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
             assert r["num_requests"] == NUM_REQUESTS, where
             assert r["completion_tokens"] == NUM_REQUESTS * MAX_TOKENS, where
             for fig in FIGURES:
-                assert _is_good(r[fig]), (where, fig, r[fig], notes)
+                # A gap between chunks needs two chunks: a router that fell behind its client
+                # (a loaded box) writes what is waiting as one chunk, and then ITL is undefined.
+                undefined = fig.startswith("itl_") and r["chunks_per_request"] <= 1
+                assert _is_good(r[fig]) or undefined, (where, fig, r[fig], r["chunks_per_request"], notes)
 
     derived = doc["derived"]
     for key in ("tps_ratio_vs_headroom", "tps_ratio_vs_inprocess"):

@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.errors import BadRequest, ConfigError, ProtocolError
-from router.api import error_middleware
+from router.http_errors import error_middleware
 
 SECRET = "/Users/someone/models/private-model"
 
@@ -38,7 +38,7 @@ async def test_internal_errors_tell_the_client_nothing(
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/x", handler)
     async with TestClient(TestServer(app)) as client:
-        with caplog.at_level(logging.ERROR, logger="router.api"):
+        with caplog.at_level(logging.ERROR, logger="router.http_errors"):
             resp = await client.get("/x")
             text = await resp.text()
     assert resp.status == 500
@@ -61,7 +61,7 @@ async def test_client_errors_keep_their_message() -> None:
 
 async def test_each_api_prefix_gets_its_own_error_shape() -> None:
     from router.anthropic_output import error_body
-    from router.api import make_error_middleware
+    from router.http_errors import make_error_middleware
 
     app = web.Application(middlewares=[make_error_middleware({"/v1/messages": error_body})])
     app.router.add_post("/v1/messages", bad_request)

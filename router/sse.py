@@ -1,0 +1,136 @@
+"""Answering a request's rows: one JSON body, or an SSE stream.
+
+A stream sends keepalive comments while nothing else is said (during a wait in the queue
+or a long prefill), writes every event already waiting as one chunk, ends with an error
+event (never a hang) when its worker is lost, and drops a client that stops reading, so a
+slow reader cannot make the router hold its output without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from common.errors import HeadroomError
+from router.job import Rows, TokenEvent
+from router.limits import Limits
+from router.output import Collector, Presenter
+
+log = logging.getLogger(__name__)
+
+# A stream with nothing to say for this long sends an SSE comment, so a vanished client is
+# noticed (the write fails) even during a long prefill or wait in the queue.
+KEEPALIVE_S = 5.0
+# How often a stream whose client is behind looks at its buffer again (only while behind).
+DRAIN_POLL_S = 0.05
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class SlowReader(Exception):
+    """The client stopped reading its stream; its connection is already closed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client stopped reading its stream")
+        self.response = response
+
+
+class Responder:
+    """Feeds a request's events to its collectors and writes what the presenter makes of them."""
+
+    def __init__(self, *, cancel: Any, limits: Limits, metrics: Any) -> None:
+        self.cancel = cancel          # frees a finished choice's worker row at once
+        self.limits = limits
+        self.metrics = metrics
+
+    def feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
+        c = collectors[index]
+        c.feed(event)
+        if c.finished:  # a stop string may end a choice while its row still runs
+            self.cancel(rows.jobs[index])
+
+    async def collect(self, rows: Rows, collectors: list[Collector], present: Presenter) -> web.Response:
+        while not all(c.finished for c in collectors):
+            index, event = await rows.events.get()
+            if isinstance(event, HeadroomError):
+                raise event
+            self.feed(rows, collectors, index, event)
+        return web.json_response(present.body(collectors, rows.prompt_tokens))
+
+    async def stream(self, request: web.Request, rows: Rows, collectors: list[Collector],
+                      present: Presenter) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        while not all(c.finished for c in collectors):
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    index, event = await rows.events.get()
+            except TimeoutError:
+                response = response or await self.start_stream(request)
+                await self.write(request, response, present.keepalive())
+                continue
+            if isinstance(event, HeadroomError):
+                if response is None:
+                    raise event  # nothing sent yet: a plain HTTP error is clearer
+                await self.write(request, response, present.error(event))
+                return response
+            response = response or await self.start_stream(request)
+            chunk = self.drain(rows, collectors, present, index, event)
+            if chunk:
+                await self.write(request, response, chunk)
+        assert response is not None
+        await self.write(request, response, present.tail(collectors, rows.prompt_tokens))
+        return response
+
+    async def write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """Write to the stream; a client that leaves the buffer full too long is dropped.
+
+        ``write`` waits while the transport holds more than --stream-buffer-bytes, so a
+        client that stops reading cannot make the router hold its output without bound; past
+        --slow-reader-timeout the request is cancelled (the API frees its worker row) and
+        the connection closed.
+        """
+        transport = request.transport
+        try:
+            async with asyncio.timeout(self.limits.slow_reader_timeout_s):
+                await response.write(data)
+                # aiohttp waits for the socket only every 64 KiB written; hold to our bound.
+                while transport is not None and \
+                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes:
+                    await asyncio.sleep(DRAIN_POLL_S)
+        except TimeoutError:
+            self.metrics.slow_readers.inc()
+            log.info("dropping a stream whose client stopped reading for %.0fs",
+                     self.limits.slow_reader_timeout_s)
+            if transport is not None:
+                transport.abort()
+            raise SlowReader(response) from None
+
+    def drain(self, rows: Rows, collectors: list[Collector], present: Presenter, index: int,
+               event: TokenEvent) -> bytes:
+        """Feed this event and any already waiting, and return one SSE write for them."""
+        touched = {index: None}
+        self.feed(rows, collectors, index, event)
+        while not rows.events.empty():
+            more_index, more = rows.events.get_nowait()
+            if isinstance(more, HeadroomError):
+                rows.events.put_nowait((more_index, more))  # keep it for the loop: flush the text first
+                break
+            touched[more_index] = None
+            self.feed(rows, collectors, more_index, more)
+        return b"".join(present.delta(collectors[i]) for i in touched)
+
+    async def start_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(request)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None:
+            # The kernel's send buffer autotunes to megabytes for a peer that does not read;
+            # a token stream needs far less, and this keeps the whole buffer bounded.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.stream_buffer_bytes)
+        return response
