@@ -175,7 +175,7 @@ class Dispatcher:
                                   sampling=s.params, boundaries=job.boundaries))
 
     def _send(self, link: WorkerLink, msg: Message) -> None:
-        self.channel.send(link.identity, msg)
+        link.unreachable = not self.channel.send(link.identity, msg)
 
     def send_to(self, incarnation: int, msg: Message) -> bool:
         """A control message (heartbeat, shutdown, trim, limit) to one worker, if linked."""
@@ -251,6 +251,7 @@ class Dispatcher:
             return  # from an old incarnation, or before its hello
         now = self.clock()
         link.liveness.heard(now)
+        link.unreachable = False
         if isinstance(msg, Tokens):
             self._on_tokens(link, msg)
         elif isinstance(msg, Status):

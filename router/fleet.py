@@ -212,12 +212,23 @@ class Fleet:
             owner = next((w for w in self.workers.values() if w.model == model
                           and w.sup.spawn_spec is None and not w.stopping
                           and w.sup.state in (WorkerState.STARTING, WorkerState.DOWN)), None)
+            if owner is None:  # one whose peer is gone (launchd restarted it): replaced now
+                owner = next((w for w in self.workers.values() if w.model == model
+                              and w.sup.spawn_spec is None and not w.stopping
+                              and self._unreachable(w)), None)
+                if owner is not None:
+                    owner.sup.on_replaced("its connection is gone and a new worker of its "
+                                          "model said hello")
             if owner is None:
                 owner = self._add_now(model, None, None)
                 self._background(owner.sup.start())
             owner.sup.incarnation = hello.incarnation
         owner.sup.on_hello(hello)
         self._wake.set()
+
+    def _unreachable(self, w: Worker) -> bool:
+        link = self.dispatcher.links.get(w.sup.incarnation) if w.sup.incarnation is not None else None
+        return link is not None and link.unreachable
 
     def on_worker_shutdown(self, incarnation: int, reason: str) -> None:
         for w in self.workers.values():

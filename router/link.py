@@ -31,6 +31,9 @@ class WorkerLink:
     held: bool = False            # it said "not now": wait for a fresh report before sending more
     last_used_at: float = 0.0     # the last dispatch or finish: keep-alive counts from here
     retiring: bool = False        # being stopped: no new job goes to it
+    # The last send failed: its peer is not connected (ROUTER_MANDATORY). Cleared by any
+    # frame from it, so a reconnect after a network blip undoes it.
+    unreachable: bool = False
     in_flight: dict[str, Job] = field(default_factory=dict)
 
     @property

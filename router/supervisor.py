@@ -234,6 +234,12 @@ class Supervisor:
         self._deaths_before_ready = 0
         self._set(WorkerState.READY, "serving")
 
+    def on_replaced(self, why: str) -> None:
+        """An external worker whose peer is gone, replaced by a new one of its model (a
+        service manager restarted it): down now rather than after its silence."""
+        if self.incarnation is not None and self.state is not WorkerState.DOWN:
+            self._lost(self.incarnation, why, WorkerState.DOWN)
+
     def on_worker_shutdown(self, incarnation: int, reason: str) -> None:
         log.info("worker %d says it is shutting down: %s", incarnation, reason)
         if self.spawn_spec is None and incarnation == self.incarnation:
