@@ -1,0 +1,287 @@
+"""One model sharded over an ``mx.distributed`` group, its ranks' engines in lockstep.
+
+Rank 0 is the worker the router sees; the other ranks (followers) only compute. Every rank
+holds a slice of the weights (mlx-lm's ``Model.shard``: attention heads and MLP columns),
+and every forward pass ends in collectives (``all_sum``) that all ranks must enter, so all
+ranks must run the very same ``BatchGenerator`` steps on the very same rows. The
+generator's scheduling is deterministic given its inputs, so it is enough that each rank
+applies the same engine inputs in the same order before each step: rank 0 records them
+(``LockstepEngine``: add, cancel, the next prefill chunk, cancel all) and broadcasts them
+with the step; a follower (``follow``) applies them to its own ``Engine`` and steps.
+
+Determinism across ranks: the logits are the same on every rank (the last ``all_sum``
+gives every rank the same sum, and the LM head is not sharded), greedy rows agree by
+construction, and a sampled row without a seed is given one by rank 0 before it is
+recorded (the global PRNG is not shared). Not supported yet: the prefix cache (each
+rank would keep its own slice of each entry, with rank 0's decisions broadcast too).
+
+The wire between ranks is a msgpack frame (``encode_inputs``/``decode_inputs``, pure),
+carried by ``broadcast``: ``mx.distributed`` has no broadcast, so rank 0's length and
+bytes are summed with zeros from every other rank. A rank that dies fails the others' next
+collective (``[ring] connection to a peer was lost``): the group exits as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack
+
+from common.protocol import SamplingParams
+from worker.engine import Engine, Output
+from worker.prefix_cache import Hit
+
+log = logging.getLogger(__name__)
+
+# Largest frame a step's inputs may take (prompts of many new rows at once).
+MAX_INPUTS_BYTES = 64 << 20
+
+
+class LockstepError(RuntimeError):
+    """A frame between ranks was not what rank 0 sends: the group cannot stay in step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    boundaries: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """The prefill chunk size for the next step (the gate and pacer decide it on rank 0)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAll:
+    """After a failed step: nothing of the running rows is kept."""
+
+
+Op = Add | Cancel | Chunk | CancelAll
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """What every rank applies, in order, and then whether it steps or leaves the group."""
+
+    ops: list[Op] = field(default_factory=list)
+    step: bool = True
+    stop: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The engine's constructor arguments: followers must batch exactly as rank 0 does."""
+
+    eos_token_ids: list[int]
+    prefill_step_size: int
+    prefill_batch_size: int
+    max_batch_size: int
+
+
+# -- the frames (pure) -------------------------------------------------------------------
+
+def encode_inputs(inputs: StepInputs) -> bytes:
+    ops: list[list[Any]] = []
+    for op in inputs.ops:
+        if isinstance(op, Add):
+            ops.append(["add", op.request_id, op.prompt_ids, op.max_tokens,
+                        dataclasses.asdict(op.sampling), op.boundaries])
+        elif isinstance(op, Cancel):
+            ops.append(["cancel", op.request_id])
+        elif isinstance(op, Chunk):
+            ops.append(["chunk", op.tokens])
+        else:
+            ops.append(["cancel_all"])
+    return msgpack.packb({"ops": ops, "step": inputs.step, "stop": inputs.stop}, use_bin_type=True)
+
+
+def decode_inputs(frame: bytes) -> StepInputs:
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        if not isinstance(body, dict) or not isinstance(body.get("ops"), list):
+            raise LockstepError("not a step-inputs map")
+        ops = [_decode_op(op) for op in body["ops"]]
+        step, stop = body.get("step"), body.get("stop")
+        if not isinstance(step, bool) or not isinstance(stop, bool):
+            raise LockstepError("step and stop must be booleans")
+    except LockstepError:
+        raise
+    except Exception as exc:  # msgpack, or a field of the wrong shape
+        raise LockstepError(f"undecodable step inputs: {type(exc).__name__}: {exc}") from None
+    return StepInputs(ops=ops, step=step, stop=stop)
+
+
+def _decode_op(op: Any) -> Op:
+    if not isinstance(op, list) or not op or not isinstance(op[0], str):
+        raise LockstepError(f"bad op {op!r:.80}")
+    kind, args = op[0], op[1:]
+    if kind == "add" and len(args) == 5:
+        request_id, prompt_ids, max_tokens, sampling, boundaries = args
+        if not (isinstance(request_id, str) and isinstance(max_tokens, int)
+                and isinstance(prompt_ids, list) and all(isinstance(t, int) for t in prompt_ids)
+                and isinstance(boundaries, list) and isinstance(sampling, dict)):
+            raise LockstepError(f"bad add op for {request_id!r:.40}")
+        return Add(request_id, prompt_ids, max_tokens, SamplingParams(**sampling), boundaries)
+    if kind == "cancel" and len(args) == 1 and isinstance(args[0], str):
+        return Cancel(args[0])
+    if kind == "chunk" and len(args) == 1 and isinstance(args[0], int) and args[0] > 0:
+        return Chunk(args[0])
+    if kind == "cancel_all" and not args:
+        return CancelAll()
+    raise LockstepError(f"bad op {op!r:.80}")
+
+
+def encode_shape(shape: EngineShape) -> bytes:
+    return msgpack.packb(dataclasses.asdict(shape), use_bin_type=True)
+
+
+def decode_shape(frame: bytes) -> EngineShape:
+    try:
+        return EngineShape(**msgpack.unpackb(frame, raw=False, strict_map_key=True))
+    except Exception as exc:
+        raise LockstepError(f"undecodable engine shape: {type(exc).__name__}: {exc}") from None
+
+
+def with_seed(sampling: SamplingParams, draw: Any = secrets.randbits) -> SamplingParams:
+    """A sampled row without a seed gets one, so every rank draws the same tokens."""
+    if sampling.temperature <= 0 or sampling.seed is not None:
+        return sampling
+    return dataclasses.replace(sampling, seed=draw(63))
+
+
+class Target(Protocol):
+    """The part of ``Engine`` the ops drive."""
+
+    def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
+            sampling: SamplingParams = ..., hit: Hit | None = None,
+            boundaries: list[int] | None = None) -> None: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def set_prefill_step(self, tokens: int) -> None: ...
+    def cancel_all(self) -> list[str]: ...
+
+
+def apply(ops: Sequence[Op], engine: Target) -> None:
+    """Replay rank 0's engine inputs on a follower's engine, in rank 0's order."""
+    for op in ops:
+        if isinstance(op, Add):
+            engine.add(op.request_id, op.prompt_ids, max_tokens=op.max_tokens,
+                       sampling=op.sampling, boundaries=op.boundaries or None)
+        elif isinstance(op, Cancel):
+            engine.cancel(op.request_id)
+        elif isinstance(op, Chunk):
+            engine.set_prefill_step(op.tokens)
+        else:
+            engine.cancel_all()
+
+
+# -- the collectives ---------------------------------------------------------------------
+
+def broadcast(group: Any, payload: bytes | None) -> bytes:
+    """Rank 0's bytes on every rank: its length, then its bytes, each summed with zeros."""
+    import mlx.core as mx
+    import numpy as np
+
+    lead = group.rank() == 0
+    if lead and (payload is None or len(payload) > MAX_INPUTS_BYTES):
+        raise LockstepError("rank 0 must broadcast a payload within MAX_INPUTS_BYTES")
+    size = mx.distributed.all_sum(mx.array([len(payload) if lead and payload else 0], dtype=mx.int32),
+                                  group=group).item()
+    if not 0 <= size <= MAX_INPUTS_BYTES:
+        raise LockstepError(f"broadcast of {size} bytes")
+    if size == 0:
+        return b""
+    buf = mx.array(np.frombuffer(payload, dtype=np.uint8)) if lead and payload else mx.zeros((size,), mx.uint8)
+    return np.array(mx.distributed.all_sum(buf, group=group), copy=False).tobytes()
+
+
+class LockstepEngine(Engine):
+    """Rank 0's engine: records every input and broadcasts them before each step."""
+
+    def __init__(self, group: Any, model: Any, eos_token_ids: list[int], *, prefill_step_size: int,
+                 prefill_batch_size: int, max_batch_size: int, **kwargs: Any) -> None:
+        super().__init__(model, eos_token_ids, prefill_step_size=prefill_step_size,
+                         prefill_batch_size=prefill_batch_size, max_batch_size=max_batch_size, **kwargs)
+        self.group = group
+        self._ops: list[Op] = []
+        broadcast(group, encode_shape(EngineShape(list(eos_token_ids), prefill_step_size,
+                                                  prefill_batch_size, max_batch_size)))
+
+    def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
+            sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
+            boundaries: list[int] | None = None) -> None:
+        if hit is not None:
+            raise LockstepError("the prefix cache is not supported over a distributed group")
+        sampling = with_seed(sampling)
+        super().add(request_id, prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                    boundaries=boundaries)
+        self._ops.append(Add(request_id, list(prompt_ids), max_tokens, sampling, list(boundaries or [])))
+
+    def cancel(self, request_id: str) -> bool:
+        gone = super().cancel(request_id)
+        if gone:
+            self._ops.append(Cancel(request_id))
+        return gone
+
+    def set_prefill_step(self, tokens: int) -> None:
+        super().set_prefill_step(tokens)
+        self._ops.append(Chunk(tokens))
+
+    def cancel_all(self) -> list[str]:
+        ids = super().cancel_all()
+        self._ops.append(CancelAll())
+        return ids
+
+    def step(self) -> list[Output]:
+        self._flush(step=True)
+        return super().step()
+
+    def finish(self) -> None:
+        """Rank 0 is leaving: the followers apply what is left and exit."""
+        self._flush(step=False, stop=True)
+
+    def _flush(self, *, step: bool, stop: bool = False) -> None:
+        ops, self._ops = self._ops, []
+        broadcast(self.group, encode_inputs(StepInputs(ops=ops, step=step, stop=stop)))
+
+
+def make_follower(group: Any, model: Any, **kwargs: Any) -> Engine:
+    """A follower's engine, shaped by rank 0's first broadcast."""
+    shape = decode_shape(broadcast(group, None))
+    return Engine(model, shape.eos_token_ids, prefill_step_size=shape.prefill_step_size,
+                  prefill_batch_size=shape.prefill_batch_size, max_batch_size=shape.max_batch_size,
+                  **kwargs)
+
+
+def follow(group: Any, engine: Engine, on_outputs: Callable[[list[Output]], None] | None = None) -> int:
+    """A follower's loop: apply rank 0's inputs, step, until rank 0 says stop. Its
+    outputs are dropped (rank 0 publishes the same tokens) unless ``on_outputs`` wants
+    them (a check that the ranks agree). Returns the steps run."""
+    steps = 0
+    while True:
+        inputs = decode_inputs(broadcast(group, None))
+        apply(inputs.ops, engine)
+        if inputs.stop:
+            log.info("rank %d: rank 0 stopped the group after %d steps", group.rank(), steps)
+            return steps
+        if inputs.step:
+            outputs = engine.step()
+            engine.store_pending()
+            if on_outputs is not None:
+                on_outputs(outputs)
+            steps += 1
