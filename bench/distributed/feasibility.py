@@ -11,8 +11,10 @@ Each rank prints its greedy tokens; rank 0 also compares them with the other ran
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_model
 
@@ -36,12 +38,10 @@ def generate(model, prompts: list[list[int]]) -> list[list[int]]:
     gen = BatchGenerator(model, max_tokens=MAX_TOKENS, stop_tokens=[])
     uids = gen.insert(prompts)
     out: dict[int, list[int]] = {u: [] for u in uids}
-    steps = 0
     while True:
         responses = gen.next_generated()
         if not responses:
             break
-        steps += 1
         for r in responses:
             out[r.uid].append(r.token)
     gen.close()
@@ -52,17 +52,17 @@ def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
     rank, size = group.rank(), group.size()
     prompts = broadcast_prompts(group)
-    model, _ = load_model(__import__("pathlib").Path(MODEL), lazy=True)
+    model, _ = load_model(Path(MODEL), lazy=True)
     model.shard(group)
     mx.eval(model.parameters())
-    nbytes = sum(v.nbytes for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters()))
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     tokens = generate(model, prompts)
     print(f"rank {rank}/{size} weights={nbytes} tokens={tokens}", flush=True)
     flat = mx.array([t for row in tokens for t in row], dtype=mx.int32)
     gathered = mx.distributed.all_gather(flat, group=group).reshape(size, -1).tolist()
     if rank == 0:
         same = all(g == gathered[0] for g in gathered)
-        full, _ = load_model(__import__("pathlib").Path(MODEL))
+        full, _ = load_model(Path(MODEL))
         reference = generate(full, prompts)
         print(f"ranks agree: {same}; equal to unsharded: {reference == tokens}", flush=True)
         if reference != tokens:
