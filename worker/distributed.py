@@ -24,10 +24,13 @@ collective (``[ring] connection to a peer was lost``): the group exits as one.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from common.protocol import SamplingParams
+import msgpack
+
+from common.protocol import ExitCode, SamplingParams
 from worker.engine import Engine, Output
 from worker.lockstep import (
     MAX_INPUTS_BYTES, Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, Op, StepInputs,
@@ -37,6 +40,9 @@ from worker.prefix_cache import Hit
 
 log = logging.getLogger(__name__)
 
+# How often an idle rank 0 checks that its peers are there.
+IDLE_PING_S = 1.0
+
 
 # -- the collectives ---------------------------------------------------------------------
 
@@ -45,6 +51,16 @@ def broadcast(group: Any, payload: bytes | None) -> bytes:
     import mlx.core as mx
     import numpy as np
 
+    # On the generator's stream: BatchGenerator leaves the next step's forward (and its
+    # all_sums) in flight after a step, and collectives on two streams could reach the
+    # ranks' sockets in different orders (seen: a follower decoding the wrong bytes).
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        return _broadcast(mx, np, group, payload)
+
+
+def _broadcast(mx: Any, np: Any, group: Any, payload: bytes | None) -> bytes:
     lead = group.rank() == 0
     if lead and (payload is None or len(payload) > MAX_INPUTS_BYTES):
         raise LockstepError("rank 0 must broadcast a payload within MAX_INPUTS_BYTES")
@@ -67,6 +83,7 @@ class LockstepEngine(Engine):
                          prefill_batch_size=prefill_batch_size, max_batch_size=max_batch_size, **kwargs)
         self.group = group
         self._ops: list[Op] = []
+        self._pinged_at = time.monotonic()
         broadcast(group, encode_shape(EngineShape(list(eos_token_ids), prefill_step_size,
                                                   prefill_batch_size, max_batch_size)))
 
@@ -98,6 +115,14 @@ class LockstepEngine(Engine):
     def step(self) -> list[Output]:
         self._flush(step=True)
         return super().step()
+
+    def idle(self) -> None:
+        """Nothing to step: every IDLE_PING_S, a frame without a step, so a lost rank is
+        seen (the collective fails) while idle, not at the next request."""
+        now = time.monotonic()
+        if now - self._pinged_at >= IDLE_PING_S:
+            self._pinged_at = now
+            self._flush(step=False)
 
     def finish(self) -> None:
         """Rank 0 is leaving: the followers apply what is left and exit."""
@@ -133,3 +158,47 @@ def follow(group: Any, engine: Engine, on_outputs: Callable[[list[Output]], None
             if on_outputs is not None:
                 on_outputs(outputs)
             steps += 1
+
+
+# -- joining the group, and a follower's life ----------------------------------------------
+
+def join(hostfile: str, rank: int | None, model: Any) -> Any:
+    """Join the ring group of ``hostfile`` (MLX's JSON, as ``mlx.launch`` writes it) and
+    keep this rank's slice of ``model``. ``rank`` None: ``$MLX_RANK`` (set by mlx.launch)."""
+    import os
+
+    import mlx.core as mx
+
+    os.environ["MLX_HOSTFILE"] = hostfile
+    if rank is not None:
+        os.environ["MLX_RANK"] = str(rank)
+    group = mx.distributed.init(strict=True, backend="ring")
+    if not hasattr(model, "shard"):
+        raise LockstepError(f"{type(model).__module__} has no shard(): mlx-lm cannot split it")
+    model.shard(group)
+    mx.eval(model.parameters())
+    mx.clear_cache()  # the slices the other ranks keep
+    log.info("rank %d of %d: holding my shard of the model", group.rank(), group.size())
+    return group
+
+
+def lead_probe(group: Any, stretch: int) -> None:
+    """Rank 0 is about to run the calibration probe: the followers run the same forwards."""
+    broadcast(group, msgpack.packb({"probe_stretch": stretch}))
+
+
+def run_follower(group: Any, model: Any) -> int:
+    """A follower's whole life: the calibration probe, the engine shaped as rank 0's, then
+    every step until rank 0 stops the group. A lost peer ends it with an engine error: the
+    supervisor restarts the group."""
+    from worker.calibrate import probe
+
+    try:
+        boot = msgpack.unpackb(broadcast(group, None))
+        probe(model, int(boot["probe_stretch"]))  # same forwards, same collectives as rank 0's
+        steps = follow(group, make_follower(group, model))
+    except (RuntimeError, LockstepError, KeyError, ValueError) as exc:
+        log.error("rank %d leaves the group: %s", group.rank(), exc)
+        return ExitCode.ENGINE_ERROR
+    log.info("rank %d: done after %d steps", group.rank(), steps)
+    return ExitCode.OK
