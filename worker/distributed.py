@@ -84,6 +84,7 @@ class LockstepEngine(Engine):
         self.group = group
         self._ops: list[Op] = []
         self._pinged_at = time.monotonic()
+        self.lost: BaseException | None = None  # a collective failed: the group is gone
         broadcast(group, encode_shape(EngineShape(list(eos_token_ids), prefill_step_size,
                                                   prefill_batch_size, max_batch_size)))
 
@@ -114,7 +115,11 @@ class LockstepEngine(Engine):
 
     def step(self) -> list[Output]:
         self._flush(step=True)
-        return super().step()
+        try:
+            return super().step()
+        except BaseException as exc:
+            self.lost = exc
+            raise
 
     def idle(self) -> None:
         """Nothing to step: every IDLE_PING_S, a frame without a step, so a lost rank is
@@ -125,12 +130,19 @@ class LockstepEngine(Engine):
             self._flush(step=False)
 
     def finish(self) -> None:
-        """Rank 0 is leaving: the followers apply what is left and exit."""
-        self._flush(step=False, stop=True)
+        """Rank 0 is leaving: the followers apply what is left and exit. Not after a failed
+        collective: the ring is gone (another collective would wait for ever), and so
+        are the followers, whose own collectives failed too."""
+        if self.lost is None:
+            self._flush(step=False, stop=True)
 
     def _flush(self, *, step: bool, stop: bool = False) -> None:
         ops, self._ops = self._ops, []
-        broadcast(self.group, encode_inputs(StepInputs(ops=ops, step=step, stop=stop)))
+        try:
+            broadcast(self.group, encode_inputs(StepInputs(ops=ops, step=step, stop=stop)))
+        except BaseException as exc:
+            self.lost = exc
+            raise
 
 
 def make_follower(group: Any, model: Any, **kwargs: Any) -> Engine:
