@@ -298,8 +298,9 @@ class WorkerConfig:
         None, "This worker's CURVE secret key file (mlx-router keys generate).")
     distributed: str | None = opt(
         None, "Serve one model sharded over several processes or Macs: MLX's ring hostfile "
-        "(JSON, one list of ip:port per rank, as mlx.launch writes). Every rank runs the same "
-        "command; rank 0 speaks to the router, the others follow it. Turns the prompt cache off.")
+        "(JSON, one list of ip:port per rank), or 'launch' when started by mlx.launch. Every rank "
+        "runs the same command; rank 0 speaks to the router, the others follow it. Turns the "
+        "prompt cache off.")
     rank: int | None = opt(None, "This process's rank in --distributed (default: $MLX_RANK).")
     incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)

@@ -40,6 +40,8 @@ from worker.prefix_cache import Hit
 
 log = logging.getLogger(__name__)
 
+# --distributed's value when mlx.launch set MLX_HOSTFILE and MLX_RANK itself.
+LAUNCHED = "launch"
 # How often an idle rank 0 checks that its peers are there.
 IDLE_PING_S = 1.0
 
@@ -175,13 +177,15 @@ def follow(group: Any, engine: Engine, on_outputs: Callable[[list[Output]], None
 # -- joining the group, and a follower's life ----------------------------------------------
 
 def join(hostfile: str, rank: int | None, model: Any) -> Any:
-    """Join the ring group of ``hostfile`` (MLX's JSON, as ``mlx.launch`` writes it) and
-    keep this rank's slice of ``model``. ``rank`` None: ``$MLX_RANK`` (set by mlx.launch)."""
+    """Join the ring group of ``hostfile`` (MLX's JSON, one ``["ip:port"]`` list per rank)
+    and keep this rank's slice of ``model``. ``rank`` None: ``$MLX_RANK``. ``hostfile``
+    ``launch``: started by ``mlx.launch``, which sets both variables."""
     import os
 
     import mlx.core as mx
 
-    os.environ["MLX_HOSTFILE"] = hostfile
+    if hostfile != LAUNCHED:
+        os.environ["MLX_HOSTFILE"] = hostfile
     if rank is not None:
         os.environ["MLX_RANK"] = str(rank)
     group = mx.distributed.init(strict=True, backend="ring")
