@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, no_prompt_cache=True)
         group = join(cfg.distributed, cfg.rank, loaded.model)
         if group.rank() != 0:
-            return run_follower(group, loaded.model)
+            return run_follower(group, loaded)
 
     from worker.boot import build_server, NotEnoughMemory
 

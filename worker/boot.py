@@ -105,8 +105,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
         "kv_bytes_per_token": calibration.kv_bytes_per_token,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
-    grammars = GrammarCompiler(str(loaded.path), shape.vocab_size or loaded.tokenizer.vocab_size,
-                               sorted(loaded.tokenizer.eos_token_ids))
+    grammars = make_grammars(loaded)
     engine = make_engine(group, loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
@@ -143,6 +142,13 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
+
+
+def make_grammars(loaded: LoadedModel) -> GrammarCompiler:
+    """Every rank of a distributed group needs the same one: a row's grammar mask decides
+    its token, which every rank feeds back."""
+    return GrammarCompiler(str(loaded.path), model_shape(loaded).vocab_size or loaded.tokenizer.vocab_size,
+                           sorted(loaded.tokenizer.eos_token_ids))
 
 
 def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any) -> Engine:

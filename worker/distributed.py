@@ -203,16 +203,18 @@ def lead_probe(group: Any, stretch: int) -> None:
     broadcast(group, msgpack.packb({"probe_stretch": stretch}))
 
 
-def run_follower(group: Any, model: Any) -> int:
+def run_follower(group: Any, loaded: Any) -> int:
     """A follower's whole life: the calibration probe, the engine shaped as rank 0's, then
     every step until rank 0 stops the group. A lost peer ends it with an engine error: the
     supervisor restarts the group."""
+    from worker.boot import make_grammars
     from worker.calibrate import probe
 
+    model = loaded.model
     try:
         boot = msgpack.unpackb(broadcast(group, None))
         probe(model, int(boot["probe_stretch"]))  # same forwards, same collectives as rank 0's
-        steps = follow(group, make_follower(group, model))
+        steps = follow(group, make_follower(group, model, grammars=make_grammars(loaded)))
     except (RuntimeError, LockstepError, KeyError, ValueError) as exc:
         log.error("rank %d leaves the group: %s", group.rank(), exc)
         return ExitCode.ENGINE_ERROR

@@ -17,6 +17,8 @@ from tests.conftest import free_port, wait_until
 from tests.integration.conftest import Proc, Router, isolated_env
 
 READY_S = 120.0
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+          "additionalProperties": False}
 PROMPTS = ["sharded over two ranks", "the same greedy tokens"]
 
 
@@ -54,6 +56,23 @@ def test_sharded_greedy_equals_single_worker(group: tuple[Router, list[Proc]], r
     assert sharded.worker()["pid"] == ranks[0].pid  # rank 0 is the worker the router sees
     for prompt in PROMPTS:
         assert greedy(sharded, prompt) == greedy(router, prompt)
+    assert all(r.popen.poll() is None for r in ranks)
+
+
+def test_a_grammar_row_stays_in_step(group: tuple[Router, list[Proc]], router: Router) -> None:
+    """Every rank masks the row the same way (each builds the grammar compiler), so the
+    token each feeds back is the same and the sharded answer still follows the schema."""
+    sharded, ranks = group
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+
+    def answer(r: Router) -> str:
+        return r.client().completions.create(model="demo", prompt="A number:", max_tokens=60,
+                                             temperature=0, extra_body={"response_format": fmt}
+                                             ).choices[0].text
+
+    text = answer(sharded)
+    assert isinstance(json.loads(text)["n"], int)
+    assert text == answer(router)
     assert all(r.popen.poll() is None for r in ranks)
 
 
