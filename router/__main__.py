@@ -12,6 +12,7 @@ from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
+from common.protocol import ExitCode
 from router import ipc
 from router.models import build_catalog
 
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
-        return permanent_exit(2, args)
+        return permanent_exit(ExitCode.CONFIG_ERROR, args)  # as the worker: systemd will not restart it
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": ",".join(cfg.model) or cfg.models_dir or ""})
     logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
     try:
