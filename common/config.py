@@ -296,6 +296,12 @@ class WorkerConfig:
         None, "The router's CURVE public key file; required for a tcp:// --router.")
     curve_secret_key: str | None = opt(
         None, "This worker's CURVE secret key file (mlx-router keys generate).")
+    distributed: str | None = opt(
+        None, "Serve one model sharded over several processes or Macs: MLX's ring hostfile "
+        "(JSON, one list of ip:port per rank), or 'launch' when started by mlx.launch. Every rank "
+        "runs the same command; rank 0 speaks to the router, the others follow it. Turns the "
+        "prompt cache off.")
+    rank: int | None = opt(None, "This process's rank in --distributed (default: $MLX_RANK).")
     incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
     test_wedge_after_steps: int | None = opt(
@@ -311,6 +317,8 @@ class WorkerConfig:
             raise ConfigError(f"--prefill-step-size must be >= 16, got {self.prefill_step_size}")
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.rank is not None and (self.rank < 0 or not self.distributed):
+            raise ConfigError(f"--rank {self.rank} needs --distributed and must be >= 0")
         if self.router.startswith("tcp://") and not (self.curve_server_key and self.curve_secret_key):
             raise ConfigError(
                 f"--router {self.router}: a tcp:// link needs CURVE: give --curve-server-key "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -39,16 +40,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("model failed to load: %s", exc)
         return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
 
+    group = None
+    if cfg.distributed:
+        from worker.distributed import join, run_follower
+
+        # Each rank would keep its own slice of every entry: not built yet.
+        cfg = dataclasses.replace(cfg, no_prompt_cache=True)
+        group = join(cfg.distributed, cfg.rank, loaded.model)
+        if group.rank() != 0:
+            return run_follower(group, loaded)
+
     from worker.boot import build_server, NotEnoughMemory
 
     try:
-        server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve, env)
+        server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve, env, group=group)
     except NotEnoughMemory as exc:
         log.error("%s", exc)
         return permanent_exit(ExitCode.NO_MEMORY, (), cfg.service_manager)
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
-    return server.run()
+    code = server.run()
+    if group is not None:
+        _stop_group(server.engine)
+    return code
+
+
+def _stop_group(engine: object) -> None:
+    """Rank 0 leaves: the followers exit too (a group whose peer is gone cannot step)."""
+    try:
+        engine.finish()  # type: ignore[attr-defined]
+    except RuntimeError as exc:  # a follower already gone
+        log.warning("could not stop the other ranks: %s", exc)
 
 
 def _cache_dir(env: dict[str, str]) -> Path | None:

@@ -72,7 +72,9 @@ def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
 
 def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                  cache_dir: Path | None, curve: ClientKeys | None = None,
-                 env: Mapping[str, str] | None = None) -> WorkerServer:
+                 env: Mapping[str, str] | None = None, group: Any = None) -> WorkerServer:
+    """``group``: rank 0 of an ``mx.distributed`` group (``worker/distributed.py``): the
+    calibration probe and every engine step run on all ranks in lockstep."""
     probe = make_probe(cfg.memory_limit_mb)
     shape = model_shape(loaded)
     # Everything this process holds beyond the weights (on CUDA the context and library
@@ -85,6 +87,11 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4
+    if group is not None:
+        from worker.distributed import lead_probe
+
+        lead_probe(group, stretch)
+        cache_dir = None  # the followers probe too: rank 0 must not skip it from a cache
     model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
@@ -98,9 +105,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
         "kv_bytes_per_token": calibration.kv_bytes_per_token,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
-    grammars = GrammarCompiler(str(loaded.path), shape.vocab_size or loaded.tokenizer.vocab_size,
-                               sorted(loaded.tokenizer.eos_token_ids))
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids),
+    grammars = make_grammars(loaded)
+    engine = make_engine(group, loaded.model, list(loaded.tokenizer.eos_token_ids),
                     prefill_step_size=cfg.prefill_step_size,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
                     grammars=grammars)
@@ -136,6 +142,21 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
+
+
+def make_grammars(loaded: LoadedModel) -> GrammarCompiler:
+    """Every rank of a distributed group needs the same one: a row's grammar mask decides
+    its token, which every rank feeds back."""
+    return GrammarCompiler(str(loaded.path), model_shape(loaded).vocab_size or loaded.tokenizer.vocab_size,
+                           sorted(loaded.tokenizer.eos_token_ids))
+
+
+def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any) -> Engine:
+    if group is None:
+        return Engine(model, eos_token_ids, **kwargs)
+    from worker.distributed import LockstepEngine
+
+    return LockstepEngine(group, model, eos_token_ids, **kwargs)
 
 
 def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,

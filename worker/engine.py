@@ -108,6 +108,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running)
 
+    def idle(self) -> None:
+        """Called by the loop when there is nothing to step (a distributed group's rank 0
+        checks its peers here)."""
+
     def set_prefill_step(self, tokens: int) -> None:
         """Read by the generator at every step, so a change applies to the next chunk."""
         self.generator.prefill_step_size = tokens

@@ -331,6 +331,11 @@ class WorkerServer:
             if self.memory.reserved_bytes and not self.engine.has_work:
                 self.gate.rebase(self.view())  # nothing runs: nothing is promised
                 self._changed = True
+            if not self._broken:
+                try:
+                    self.engine.idle()
+                except Exception as exc:  # a distributed group lost a rank
+                    return self._crash(exc)
             return []
         self.memory.probe.reset_peak()
         view = self._size_chunk()
