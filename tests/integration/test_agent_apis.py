@@ -231,7 +231,10 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
                 {"name": "get_time", "input_schema": {"type": "object", "properties": {
-                    "tz": {"enum": ["utc", "cet"]}}, "required": ["tz"]}}]
+                    "tz": {"enum": ["utc", "cet"]}}, "required": ["tz"],
+                    # Bounded, as WEATHER is: an open object let a sampled call add a key of
+                    # unbounded random text and run out of max_tokens (1 run in ~25).
+                    "additionalProperties": False}}]
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 

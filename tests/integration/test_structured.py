@@ -37,7 +37,8 @@ WEATHER_PARAMS = {
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
     {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"]}}},
+        "type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"],
+        "additionalProperties": False}}},  # bounded: an open object lets sampling run on
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
