@@ -21,9 +21,7 @@ import json
 import logging
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ import httpx
 import psutil
 
 from bench import cli
-from bench.procs import free_port, server_env
+from bench.procs import ServerProcess, free_port, server_env
 
 log = logging.getLogger("bench.models")
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,29 +55,19 @@ def make_models(root: Path) -> tuple[Path, Path]:
     return alpha, beta
 
 
-class Server:
-    """A server process in its own session; TERM on stop, then KILL."""
+class Server(ServerProcess):
+    """bench/procs.py's server process on a free port, started at once."""
 
     def __init__(self, argv: list[str], run_dir: Path, name: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(run_dir / f"{name}-{self.port}.log", "wb")
-        self.popen = subprocess.Popen([sys.executable, *argv, "--port", str(self.port)],
-                                      env=server_env(run_dir), cwd=ROOT, stdout=self.log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(30)
-        self.log.close()
+        super().__init__(name, [sys.executable, *argv, "--port", str(self.port)], server_env(run_dir),
+                         run_dir / f"{name}-{self.port}.log", self.url + "/health")
+        self.start()
 
     def rss_bytes(self) -> tuple[int, int]:
         """This process's RSS and how many child processes it has."""
+        assert self.popen is not None
         proc = psutil.Process(self.popen.pid)
         return proc.memory_info().rss, len(proc.children(recursive=True))
 
