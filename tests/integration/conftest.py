@@ -23,6 +23,9 @@ from tests.conftest import free_port, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 90.0      # model build (first run) + load + mlx import, on 2 slow cores
 STOP_TIMEOUT_S = 15.0
+# Sampled requests that assert an exact token count: random weights sample an EOS now and
+# then (CI saw 2 of 4 tokens), so the count is pinned by ignoring it, not by loosening it.
+NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="session")

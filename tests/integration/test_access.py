@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
-from tests.integration.conftest import Router, start_router
+from tests.integration.conftest import NO_EOS, Router, start_router
 from tests.integration.test_stream_cancel import metric
 
 KEY = "test-key-0123456789"
@@ -89,7 +89,7 @@ def test_openai_client_with_and_without_the_key(guarded: Router) -> None:
     with guarded.client(api_key="nope") as client, pytest.raises(openai.AuthenticationError):
         client.models.list()
     with guarded.client(api_key=KEY) as client:
-        ok = client.chat.completions.create(model="m", messages=USER, max_tokens=2)
+        ok = client.chat.completions.create(model="m", messages=USER, max_tokens=2, extra_body=NO_EOS)
     assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 

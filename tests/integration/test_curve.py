@@ -14,7 +14,7 @@ import zmq
 from common.curve import read_keypair, read_public_key
 from common.protocol import Hello, encode
 from tests.conftest import free_port, wait_until
-from tests.integration.conftest import ROOT, Proc, Router, isolated_env
+from tests.integration.conftest import NO_EOS, ROOT, Proc, Router, isolated_env
 from tests.integration.test_stream_cancel import metric
 
 READY_S = 90.0
@@ -93,7 +93,7 @@ def test_curve_link(tmp_path: Path, cache_home: Path) -> None:
         health = router.wait_ready(READY_S)
         assert [w["pid"] for w in health["workers"]] == [worker.pid]
         with router.client() as client:
-            r = client.completions.create(model="m", prompt="sealed", max_tokens=3)
+            r = client.completions.create(model="m", prompt="sealed", max_tokens=3, extra_body=NO_EOS)
         assert r.usage is not None and r.usage.completion_tokens == 3
     finally:
         router.stop()

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 
 from tests.conftest import wait_until
-from tests.integration.conftest import Router
+from tests.integration.conftest import NO_EOS, Router
 
 LOAD_S = 90.0
 
@@ -44,7 +44,7 @@ def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., R
     assert running == [2, 2], "four streams over two workers of two rows each"
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         # Two more wait in the queue: both workers are full.
-        queued = [pool.submit(client.completions.create, model="m", prompt="q", max_tokens=4)
+        queued = [pool.submit(client.completions.create, model="m", prompt="q", max_tokens=4, extra_body=NO_EOS)
                   for _ in range(2)]
         wait_until(lambda: router.health().get("queued") == 2, 10, "two queued requests")
         victim = router.health()["workers"][0]

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 
 from tests.conftest import wait_until
-from tests.integration.conftest import Router
+from tests.integration.conftest import NO_EOS, Router
 
 # Under this limit the demo model serves short requests (up to 256 tokens), but a
 # 3000-token prompt's KV cache (64 KiB per token) cannot fit: with admission off it aborts
@@ -41,7 +41,7 @@ def test_poison_prompt_is_quarantined_and_the_worker_stays_ready(
     again = router.http.post("/v1/completions", json=POISON)
     assert again.status_code == 503 and again.json()["error"]["code"] == "request_quarantined"
     assert router.worker()["pid"] == worker["pid"]
-    ok = client.completions.create(model="m", prompt="short and sweet", max_tokens=4)
+    ok = client.completions.create(model="m", prompt="short and sweet", max_tokens=4, extra_body=NO_EOS)
     assert ok.usage is not None and ok.usage.completion_tokens == 4
 
 

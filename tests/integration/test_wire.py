@@ -7,7 +7,7 @@ import zmq
 
 from common.protocol import Heartbeat, Tokens, encode
 from tests.conftest import wait_until
-from tests.integration.conftest import Router
+from tests.integration.conftest import NO_EOS, Router
 from tests.integration.test_stream_cancel import metric
 
 
@@ -39,5 +39,5 @@ def test_garbage_and_foreign_frames_are_dropped(router: Router) -> None:
     assert health["status"] == "ok"
     assert health["refused_workers"][0]["pid"] == 4242
     assert router.worker()["pid"] == before["pid"]
-    r = router.client().completions.create(model="m", prompt="still fine", max_tokens=3)
+    r = router.client().completions.create(model="m", prompt="still fine", max_tokens=3, extra_body=NO_EOS)
     assert r.usage is not None and r.usage.completion_tokens == 3

@@ -14,7 +14,7 @@ import pytest
 
 from router.supervisor import HEARTBEAT_TIMEOUT_S, STALL_TIMEOUT_S
 from tests.conftest import process_gone, wait_until
-from tests.integration.conftest import Router
+from tests.integration.conftest import NO_EOS, Router
 
 # Generous ceilings: restarts include an mlx import and a model load on 2 slow cores.
 RESTART_TIMEOUT_S = 60.0
@@ -62,7 +62,7 @@ def test_stream_ends_with_error_and_worker_restarts(fresh_router: Callable[..., 
     worker = wait_restarted(router, first["pid"])
     assert worker["restarts"] == 1
     assert worker["last_exit"]["signal"] == sig.name
-    r = router.client().completions.create(model="m", prompt="Back?", max_tokens=4)
+    r = router.client().completions.create(model="m", prompt="Back?", max_tokens=4, extra_body=NO_EOS)
     assert r.usage is not None and r.usage.completion_tokens == 4
 
 
@@ -73,7 +73,7 @@ def test_queued_requests_survive_a_worker_death(fresh_router: Callable[..., Rout
     client = router.client()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         queued = [pool.submit(client.completions.create, model="m", prompt=f"queued {i}",
-                              max_tokens=6) for i in range(3)]
+                              max_tokens=6, extra_body=NO_EOS) for i in range(3)]
         wait_until(lambda: router.health().get("queued") == 3, 10, "three queued requests")
         os.kill(pid, signal.SIGKILL)
         drain_expecting_error(chunks, STREAM_END_S)
@@ -91,7 +91,7 @@ def test_stopped_worker_is_detected_by_heartbeat_and_replaced(fresh_router: Call
     assert worker["last_exit"]["signal"] == "SIGKILL"
     assert "silent" in worker["last_exit"]["reason"] or any(
         "silent" in line for line in worker["last_exit"]["stderr_tail"])
-    assert router.client().completions.create(model="m", prompt="ok", max_tokens=3).usage.completion_tokens == 3
+    assert router.client().completions.create(model="m", prompt="ok", max_tokens=3, extra_body=NO_EOS).usage.completion_tokens == 3
 
 
 def test_wedged_engine_loop_is_detected_and_replaced(fresh_router: Callable[..., Router]) -> None:
@@ -103,7 +103,7 @@ def test_wedged_engine_loop_is_detected_and_replaced(fresh_router: Callable[...,
     drain_expecting_error(chunks, STALL_TIMEOUT_S + STREAM_END_S)
     worker = wait_restarted(router, pid)
     assert any("wedged" in line for line in worker["last_exit"]["stderr_tail"])
-    assert router.client().completions.create(model="m", prompt="ok", max_tokens=3).usage.completion_tokens == 3
+    assert router.client().completions.create(model="m", prompt="ok", max_tokens=3, extra_body=NO_EOS).usage.completion_tokens == 3
 
 
 def test_spawned_worker_exits_when_its_router_dies(fresh_router: Callable[..., Router]) -> None:
