@@ -33,6 +33,7 @@ from router.fleet import Fleet
 from router.models import ModelSpec, build_catalog
 from router.placement import lease_mb
 from router.supervisor import SpawnSpec
+from router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -200,6 +201,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher, fleet = app[DISPATCHER], app[FLEET]
     await dispatcher.start()
     await fleet.start()
+    # While the worker boots: its hello finds the tokenizer stack imported.
+    preimport = asyncio.get_running_loop().run_in_executor(app[API].pool, RouterTokenizer.import_backend)
+    preimport.add_done_callback(lambda f: f.cancelled() or f.exception())
     sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
     sampler.cancel()
