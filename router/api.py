@@ -35,7 +35,7 @@ from router.job import ChoiceEvents, Job, JobState, Rows, Sampling
 from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import ChatPresenter, Collector, Formatter, Presenter
 from router.plan import plan_output, template_tools
-from router.reqid import KEY as REQUEST_ID, make_request_id
+from router.reqid import ROW_SEP, KEY as REQUEST_ID, make_request_id
 from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
 from router.sse import Responder, SlowReader
@@ -250,12 +250,13 @@ class Api:
             if error is not None:
                 raise error
         # The response id ends with the request id, so a client can quote either; a choice's
-        # row is the request id with its index.
+        # row is the request id with its index after a "#", which no client id may contain:
+        # a client sending "abc-0" must not take over the row of another's request "abc".
         rows = Rows(id_prefix + request_id, prompt_tokens=sum(len(ids) for ids in prompts), plan=plan,
                     model_id=served.spec.alias, tokenizer=tokenizer)
         now = time.monotonic()
         for index in range(parsed.num_choices):
-            row_id = request_id if parsed.num_choices == 1 else f"{request_id}-{index}"
+            row_id = request_id if parsed.num_choices == 1 else f"{request_id}{ROW_SEP}{index}"
             rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
                                  sampling=row_sampling(sampling, index), deadline=deadline,
                                  enqueued_at=now, events=ChoiceEvents(rows.events, index),

@@ -21,6 +21,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 KEY = "request_id"  # where the handler finds it: request[KEY]
 # Printable, no spaces, quotes or slashes: safe in a header, a log line and a JSON id.
 _SANE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:=+-]{0,127}")
+# Joins a request id and a choice's index into a row id; _SANE never lets a client use it.
+ROW_SEP = "#"
 
 
 def is_sane(value: str) -> bool:

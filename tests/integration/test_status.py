@@ -115,6 +115,26 @@ def test_streams_and_errors_carry_the_request_id(router: Router) -> None:
     assert shown[0]["code"] == "unauthorized" and shown[0]["status"] == 401
 
 
+def test_a_client_id_shaped_like_a_row_does_not_take_another_requests_row(router: Router) -> None:
+    # Request "r7" with n=2 has two rows; a second client naming itself "r7-0" while it
+    # streams must not replace (and so orphan) either of them.
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 24, "n": 2, "stream": True,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with router.http.stream("POST", "/v1/completions", json=body,
+                            headers={**headers, "X-Request-Id": "r7"}) as first:
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        other = router.http.post("/v1/completions", headers={**headers, "X-Request-Id": "r7-0"},
+                                 json={"model": "demo", "prompt": "hi", "max_tokens": 2,
+                                       "ignore_eos": True})
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert other.status_code == 200 and other.json()["id"] == "cmpl-r7-0"
+    finishes = {c["index"]: c["finish_reason"] for chunk in rest for c in chunk["choices"]
+                if c.get("finish_reason")}
+    assert finishes == {0: "length", 1: "length"}
+
+
 # -- what answers without the key, and what it never shows ------------------------------
 
 def test_page_and_data_answer_without_the_key_and_never_show_it(router: Router) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from router.reqid import RequestIds, is_sane, make_request_id
+from router.reqid import ROW_SEP, RequestIds, is_sane, make_request_id
 
 
 def test_our_ids_are_sane() -> None:
@@ -33,3 +35,11 @@ def test_a_live_id_is_not_given_twice() -> None:
     ids.live.discard("dup")
     assert ids.claim("dup") == "dup"  # free again once its request is over
     assert ids.claim(None) != ids.claim(None)
+
+
+@given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.:=+-]{0,20}-[0-9]", fullmatch=True))
+def test_no_client_id_is_another_requests_row(value: str) -> None:
+    # A choice's row id is "<request id>#<index>": a client id such as "abc-0" is honoured
+    # and can never equal the row of a live request "abc" with n > 1.
+    assert is_sane(value) and ROW_SEP not in value
+    assert not is_sane(f"abc{ROW_SEP}0")
