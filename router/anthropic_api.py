@@ -231,7 +231,8 @@ def _present(body: Any, parsed: Parsed, rows: Rows, model_id: str, tok: RouterTo
     return MessagesPresenter(rows.request_id, model_id, rows.prompt_tokens)
 
 
-MESSAGES = Endpoint("messages", "msg_", parse_messages, _present)
+MESSAGES = Endpoint("messages", "msg_", parse_messages, _present,
+                    as_chat=lambda body: to_chat(body, require_max_tokens=False))
 
 
 class Messages:
@@ -244,4 +245,5 @@ class Messages:
         return await self.api.serve(request, MESSAGES)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        return web.json_response({"input_tokens": await self.api.count_prompt_tokens(request, parse_count)})
+        return web.json_response({"input_tokens": await self.api.count_prompt_tokens(
+            request, parse_count, MESSAGES.as_chat)})

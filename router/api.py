@@ -59,6 +59,10 @@ class Endpoint:
     parse: Callable[[Any, int, int], Parsed]         # (body, default max_tokens, max n) -> Parsed
     # (body, parsed, rows, model id, tokenizer) -> the API's presenter
     present: Callable[[Any, Parsed, Rows, str, RouterTokenizer], Presenter]
+    # Another API's body as the chat body it asks for: the size limits (router/limits.py)
+    # are checked on that too, so no API's own shape (Responses' `input`, Anthropic's
+    # `output_config.format`) is a way around them.
+    as_chat: Callable[[Any], Any] | None = None
 
 
 def _openai_presenter(body: Any, parsed: Parsed, rows: Rows, model_id: str,
@@ -116,16 +120,21 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, CHAT)
 
-    async def count_prompt_tokens(self, request: web.Request,
-                                  parse: Callable[[Any, int, int], Parsed]) -> int:
+    async def count_prompt_tokens(self, request: web.Request, parse: Callable[[Any, int, int], Parsed],
+                                  as_chat: Callable[[Any], Any] | None = None) -> int:
         """The prompt tokens ``serve`` would admit for this body: same template, tools, tokenizer."""
         body = await self._json(request)
-        check_body(body, self.limits)
+        self._check_limits(body, as_chat)
         parsed = parse(body, self.default_max_tokens, self.max_n)
         served = self._served(parsed.model)
         tokenizer = await self._tokenizer_for(served, time.monotonic() + self.queue_timeout_s)
         prompts, _, _ = await self._tokenize(tokenizer, parsed, with_boundaries=False)
         return sum(len(ids) for ids in prompts)
+
+    def _check_limits(self, body: Any, as_chat: Callable[[Any], Any] | None) -> None:
+        check_body(body, self.limits)
+        if as_chat is not None and isinstance(body, dict):
+            check_body(as_chat(body), self.limits)
 
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """The whole life of one generation request, for any API."""
@@ -136,7 +145,7 @@ class Api:
             if self.is_draining():
                 raise NoWorker("the server is shutting down")
             body = await self._json(request)
-            check_body(body, self.limits)
+            self._check_limits(body, endpoint.as_chat)
             parsed = endpoint.parse(body, self.default_max_tokens, self.max_n)
             check_max_tokens(parsed.sampling.max_tokens, self.limits)
             served = self._served(parsed.model)

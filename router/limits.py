@@ -46,10 +46,11 @@ def check_body(body: Any, limits: Limits) -> None:
     """Refuse a body over any size limit; the endpoint's parser checks everything else."""
     if not isinstance(body, dict):
         return
-    messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) > limits.max_messages:
-        raise BadRequest(f"{len(messages)} messages; this server takes at most "
-                         f"{limits.max_messages} (--max-messages)", param="messages")
+    for name in ("messages", "input"):  # Responses' `input` is its list of messages
+        items = body.get(name)
+        if isinstance(items, list) and len(items) > limits.max_messages:
+            raise BadRequest(f"{len(items)} {name} items; this server takes at most "
+                             f"{limits.max_messages} (--max-messages)", param=name)
     for name in ("tools", "functions"):
         tools = body.get(name)
         if isinstance(tools, list):

@@ -203,7 +203,7 @@ def _present(body: Any, parsed: Parsed, rows: Rows, model_id: str, tok: RouterTo
     return ResponsesPresenter(rows.request_id, echo)
 
 
-RESPONSES = Endpoint("responses", "resp_", parse_responses, _present)
+RESPONSES = Endpoint("responses", "resp_", parse_responses, _present, as_chat=to_chat)
 
 
 class Responses:

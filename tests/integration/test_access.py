@@ -22,6 +22,9 @@ ORIGIN = "https://app.example.com"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
 USER = [{"role": "user", "content": "hi"}]
 TIMEOUT_S = 1.5
 MAX_TOKENS_LIMIT = 3000
@@ -196,11 +199,30 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (COMPLETIONS, {"prompt": "word " * 100, "max_tokens": 1}, "prompt", "--max-prompt-tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 1}, "messages",
      "--max-prompt-tokens"),
+    # Other APIs' own shapes are held to the same limits.
+    (RESPONSES, {"input": USER * 4}, "input", "--max-messages"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 3}, "tools", "--max-tools"),
+    (RESPONSES, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "s",
+                                                    "schema": {"x": "y" * 400}}}},
+     "response_format", "--max-schema-bytes"),
+    (MESSAGES, {"messages": USER * 4, "max_tokens": 1}, "messages", "--max-messages"),
+    (MESSAGES, {"messages": USER, "max_tokens": 1, "output_config": {
+        "format": {"type": "json_schema", "schema": {"x": "y" * 400}}}},
+     "response_format", "--max-schema-bytes"),
+    (COUNT_TOKENS, {"messages": USER, "tools": [{"name": "f", "input_schema": {
+        "type": "object", "x": "y" * 400}}]}, "tools[0]", "--max-schema-bytes"),
 ])
 def test_each_limit_is_a_clear_400(guarded: Router, path: str, body: Any, param: str,
                                    flag: str | None) -> None:
-    code = "context_length_exceeded" if flag == "--max-prompt-tokens" else "invalid_request"
-    message = assert_error(raw(guarded, "POST", path, AUTH, body), 400, code, param)
+    resp = raw(guarded, "POST", path, AUTH, {"model": "demo", **body})
+    if path.startswith(MESSAGES):  # Anthropic's error shape
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert resp.json()["type"] == "error" and error["type"] == "invalid_request_error"
+        message = error["message"]
+    else:
+        code = "context_length_exceeded" if flag == "--max-prompt-tokens" else "invalid_request"
+        message = assert_error(resp, 400, code, param)
     assert flag is None or flag in message
 
 
