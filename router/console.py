@@ -28,6 +28,8 @@ def fetch(url: str) -> dict[str, Any]:
             body: dict[str, Any] = json.load(resp)
     except urllib.error.HTTPError as exc:
         body = json.load(exc)
+    if not isinstance(body, dict):
+        raise ValueError(f"not a JSON object: {str(body)[:100]}")
     return body
 
 
@@ -161,6 +163,12 @@ def _once(url: str, as_json: bool, clear: bool) -> int:
         body = fetch(url)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"{CLEAR if clear else ''}mlx-router: no router answers at {url}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+    if "status" not in body:  # not a /status body: an error (403 host, 404 older router)
+        error = body.get("error")
+        why = error.get("message") if isinstance(error, dict) else json.dumps(body)[:300]
+        print(f"{CLEAR if clear else ''}mlx-router: {url} does not give a status: {why}",
               file=sys.stderr, flush=True)
         return 1
     if as_json:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 from typing import Any
 
+import pytest
+
+from router import console
 from router.console import human_bytes, memory_bar, render, sparkline
 
 GiB = 1 << 30
@@ -57,3 +63,29 @@ def test_pieces() -> None:
     assert memory_bar({"limit_bytes": 0}, 10) == ""
     assert sparkline([0, 0], 5) == "▁▁" and sparkline([1, 2, 3, 4], 2) == "▆█"
     assert sparkline([1, 2], 5, top=4) == "▃▅"
+
+
+def test_an_error_body_is_reported_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    # What a router answers a refused Host (403) or an older router answers (404): an error
+    # body, not a status; `mlx-router status` says so and exits 1.
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = json.dumps({"error": {"message": "host not allowed", "code": "host_not_allowed"}})
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        rc = console._once(f"http://127.0.0.1:{server.server_address[1]}", as_json=False, clear=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 1
+    assert "host not allowed" in capsys.readouterr().err
