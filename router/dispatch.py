@@ -228,8 +228,10 @@ class Dispatcher:
                           extra=about(job.request_id, incarnation))
                 backlog.push_front(job)
             else:
-                job.fail(WorkerLost(f"the worker died while running this request ({why}); "
-                                    "it is being restarted, retry shortly"))
+                # Only the cause's name: an external worker's reason may carry its
+                # exception text (paths, values), which belongs in the log, not to clients.
+                job.fail(WorkerLost(f"the worker died while running this request "
+                                    f"({why.split(':')[0]}); it is being restarted, retry shortly"))
         log.warning("worker %d (%s) lost (%s): %d in flight, %d quarantined", incarnation, model,
                     why, len(jobs), len(newly))
         self._changed(model)

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import HeadroomError
+from router.http_errors import public_error
 from router.job import Rows, TokenEvent
 from router.limits import Limits
 from router.output import Collector, Presenter
@@ -76,7 +77,7 @@ class Responder:
             if isinstance(event, HeadroomError):
                 if response is None:
                     raise event  # nothing sent yet: a plain HTTP error is clearer
-                await self.write(request, response, present.error(event))
+                await self.write(request, response, present.error(public_error(event)))
                 return response
             response = response or await self.start_stream(request)
             chunk = self.drain(rows, collectors, present, index, event)
