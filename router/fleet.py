@@ -388,6 +388,9 @@ class Fleet:
                                              limit_bytes=w.lease_bytes + more)):
                 w.lease_bytes += more
                 free -= more
+                if w.sup.spawn_spec is not None and self.make_spawn is not None:
+                    # A restart starts with the grown share, not the first one.
+                    w.sup.spawn_spec = self.make_spawn(self.models[w.model].spec, w.lease_bytes)
 
     def _add_now(self, model: str, spawn: SpawnSpec | None, lease_bytes: int | None) -> Worker:
         sup = Supervisor(self.dispatcher, spawn, self.metrics, model=model)

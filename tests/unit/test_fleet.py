@@ -52,7 +52,7 @@ async def world(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Fleet, D
     dispatcher = Dispatcher("inproc://fleet-test", 64, Metrics(), clock=clock)
     sent: list[Any] = []
     dispatcher._send = lambda link, msg: sent.append(msg)  # type: ignore[method-assign]
-    fleet = Fleet(SPECS, dispatcher, Metrics(), make_spawn=lambda spec, lease: SpawnSpec([spec.source], {}),
+    fleet = Fleet(SPECS, dispatcher, Metrics(), make_spawn=lambda spec, lease: SpawnSpec([spec.source, f"--lease={lease}"], {}),
                   budget_bytes=200 * MIB, cap_bytes=None, keep_alive_s=5.0, clock=clock)
     yield fleet, dispatcher, sent, clock
     dispatcher.channel.close()
@@ -148,6 +148,8 @@ async def test_idle_past_keep_alive_unloads_and_room_grows_the_others_lease(worl
     (b,) = fleet.workers.values()
     assert b.model == "b" and b.lease_bytes is not None and b.lease_bytes > leases["b"]
     assert any(isinstance(m, Limit) and m.limit_bytes == b.lease_bytes for m in sent)
+    # and a restart of b starts with the grown share, not its first one
+    assert b.sup.spawn_spec is not None and b.sup.spawn_spec.argv[-1] == f"--lease={b.lease_bytes}"
     assert fleet.state_of(fleet.models["a"]) is ModelState.UNLOADED
 
 
