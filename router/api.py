@@ -197,6 +197,15 @@ class Api:
             task.add_done_callback(_log_preload_failure)
             self._tokenizer_task = task
 
+    async def import_tokenizer_backend(self) -> None:
+        """While the worker boots: its hello then finds the tokenizer stack imported. Under
+        the load lock: transformers' lazy module is not safe to import from two threads."""
+        async with self._tokenizer_lock:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.pool, RouterTokenizer.import_backend)
+            except ImportError as exc:  # the first load says so, with its folder
+                log.warning("could not import the tokenizer stack: %s", exc)
+
     def has_tokenizer(self, path: str) -> bool:
         return path in self._tokenizers
 

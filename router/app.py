@@ -33,7 +33,6 @@ from router.fleet import Fleet
 from router.models import ModelSpec, build_catalog
 from router.placement import lease_mb
 from router.supervisor import SpawnSpec
-from router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -201,13 +200,11 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher, fleet = app[DISPATCHER], app[FLEET]
     await dispatcher.start()
     await fleet.start()
-    # While the worker boots: its hello finds the tokenizer stack imported.
-    preimport = asyncio.get_running_loop().run_in_executor(app[API].pool, RouterTokenizer.import_backend)
-    preimport.add_done_callback(lambda f: f.cancelled() or f.exception())
+    preimport = asyncio.ensure_future(app[API].import_tokenizer_backend())
     sampler = asyncio.create_task(app[VIEWS].sample_loop(), name="status-sampler")
     yield
     sampler.cancel()
-    await asyncio.gather(sampler, return_exceptions=True)
+    await asyncio.gather(sampler, preimport, return_exceptions=True)
     await fleet.stop()
     await dispatcher.stop()
     app[API].pool.shutdown(wait=False, cancel_futures=True)

@@ -168,14 +168,16 @@ def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
     if cfg.no_prompt_cache:
         log.info("prompt cache off")
         return None
-    max_bytes = cfg.prompt_cache_bytes
+    max_bytes, share = cfg.prompt_cache_bytes, None
     if max_bytes is None:
-        max_bytes = int(model.budget_bytes * DEFAULT_BUDGET_SHARE)
+        share = DEFAULT_BUDGET_SHARE
+        max_bytes = int(model.budget_bytes * share)
     disk = disk_for(max_bytes) if max_bytes > 0 and cfg.prompt_cache_entries > 0 else None
     log.info("prompt cache: up to %d MiB and %d entries in RAM%s", max_bytes >> 20,
              cfg.prompt_cache_entries,
              f", up to {disk.max_bytes >> 20} MiB on disk in {disk.dir}" if disk is not None else ", no disk tier")
-    return PrefixCache(max_bytes=max_bytes, max_entries=cfg.prompt_cache_entries, disk=disk)
+    return PrefixCache(max_bytes=max_bytes, max_entries=cfg.prompt_cache_entries, disk=disk,
+                       budget_share=share)
 
 
 def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:

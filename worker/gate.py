@@ -209,6 +209,12 @@ class ScaleTracker:
         return True
 
 
+def moved_budget(budget_bytes: int, old_limit: int, new_limit: int, reserved_bytes: int) -> int:
+    """The budget when the router moves this worker's limit (its share of the host budget):
+    it moves by as much as the limit, never below what is promised to running requests."""
+    return max(reserved_bytes, budget_bytes + new_limit - old_limit)
+
+
 class MemoryGate:
     """The worker's memory policy: admission, reservations, chunk, pressure, calibration."""
 
@@ -395,6 +401,19 @@ class MemoryGate:
         self._apply_scale()
         self._caught_errors = [t for t in self._caught_errors if now - t < CAUGHT_ERROR_WINDOW_S] + [now]
         return len(self._caught_errors) >= CAUGHT_ERRORS_TO_EXIT
+
+    def move_limit(self, limit_bytes: int) -> int | None:
+        """A new limit from the router: the budget follows (``moved_budget``) and the probe's
+        limit with it, so headroom is measured against the new share. Returns the new budget,
+        or None when nothing changes."""
+        probe = self.memory.probe
+        old = probe.limit_bytes
+        if limit_bytes <= 0 or limit_bytes == old:
+            return None
+        budget = moved_budget(self.fitted.budget_bytes, old, limit_bytes, self.memory.reserved_bytes)
+        probe.limit_bytes = old + (budget - self.fitted.budget_bytes)
+        self.set_fitted(dataclasses.replace(self.fitted, budget_bytes=budget))
+        return budget
 
     def set_fitted(self, fitted: CostModel) -> None:
         """A new fitted model (e.g. a test hook, or a re-calibration); the scale stays."""

@@ -149,8 +149,11 @@ class PrefixCache:
     """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
 
     def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
-                 clear: Callable[[], None] = _clear_mlx_cache) -> None:
+                 clear: Callable[[], None] = _clear_mlx_cache, budget_share: float | None = None) -> None:
         self.max_bytes = max_bytes
+        # Set when max_bytes is a share of the budget (no --prompt-cache-bytes): it then
+        # follows the budget when the router moves this worker's limit.
+        self.budget_share = budget_share
         self.max_entries = max_entries
         self.disk = disk
         self._clear = clear
@@ -189,6 +192,15 @@ class PrefixCache:
             if e.disk_key is not None and e.disk_key not in writing:
                 e.disk_key = None
         return writing
+
+    def follow_budget(self, budget_bytes: int) -> None:
+        """The budget moved: a bound that is a share of it moves too, evicting what is over."""
+        if self.budget_share is None:
+            return
+        self.max_bytes = int(budget_bytes * self.budget_share)
+        over = self.ledger().resident_bytes - self.max_bytes
+        if over > 0:
+            self.evict(over, "limit")
 
     def evict(self, nbytes: int, reason: str) -> int:
         """Evict entries no request holds, least recently used first, until ``nbytes`` are

@@ -9,7 +9,6 @@ wedged engine loop is visible to the router as a counter that stops while work w
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -254,17 +253,15 @@ class WorkerServer:
     def set_limit(self, limit_bytes: int) -> None:
         """A new share of the host budget: the budget moves with the limit (never below
         what is promised now), and the next Status carries the new cost model."""
-        probe = self.memory.probe
-        old = probe.limit_bytes
-        if limit_bytes <= 0 or limit_bytes == old:
+        old = self.memory.probe.limit_bytes
+        budget = self.gate.move_limit(limit_bytes)
+        if budget is None:
             return
-        fitted = self.gate.fitted
-        budget = max(self.memory.reserved_bytes, fitted.budget_bytes + limit_bytes - old)
-        probe.limit_bytes = old + (budget - fitted.budget_bytes)
-        self.gate.set_fitted(dataclasses.replace(fitted, budget_bytes=budget))
+        if self.cache is not None:
+            self.cache.follow_budget(budget)
         self._changed = True
         log.info("memory limit %d → %d MiB on the router's request", old >> 20,
-                 probe.limit_bytes >> 20)
+                 self.memory.probe.limit_bytes >> 20)
 
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""

@@ -17,7 +17,7 @@ from common.costmodel import CostModel
 from common.protocol import RejectReason
 from worker.gate import (
     CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, CacheLedger, EngineView, MemoryGate, ScaleTracker,
-    is_memory_error,
+    is_memory_error, moved_budget,
 )
 from worker.memory import FakeProbe, MemoryState
 
@@ -380,3 +380,20 @@ def test_bytes_queued_for_the_disk_writer_are_used_not_free_not_a_rows_and_not_e
     assert gate.can_hold(room_before - 400 * MIB) and not gate.can_hold(room_before - 300 * MIB + 1)
     decision = gate.can_admit(view(), 6000, 2000)  # needs more than giving back 100 MiB frees
     assert decision.reason is RejectReason.NOT_NOW and not cache.evicted
+
+
+# -- the router moves this worker's limit ------------------------------------------------
+
+
+def test_a_new_limit_moves_the_budget_and_the_probe_but_never_below_what_is_promised() -> None:
+    gate, probe = make_gate()
+    assert gate.move_limit(LIMIT) is None and gate.move_limit(0) is None  # nothing to do
+    assert gate.move_limit(LIMIT + 200 * MIB) == 1000 * MIB
+    assert gate.model.budget_bytes == 1000 * MIB and probe.limit_bytes == LIMIT + 200 * MIB
+    decision = gate.can_admit(view(), 2000, 1000)
+    gate.reserve(decision)
+    promised = gate.memory.reserved_bytes
+    # shrunk far below what running requests hold: the budget stops at their promise
+    assert gate.move_limit(WEIGHTS) == promised
+    assert probe.limit_bytes == LIMIT + 200 * MIB - (1000 * MIB - promised)
+    assert moved_budget(800, 1000, 900, 0) == 700 and moved_budget(800, 1000, 900, 750) == 750

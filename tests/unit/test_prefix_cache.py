@@ -268,3 +268,15 @@ def test_entries_queued_for_the_disk_writer_are_held_and_not_evictable_until_wri
     ledger = cache.ledger()
     assert (ledger.pending_bytes, ledger.writing_bytes, ledger.evictable_bytes) == (0, 0, 100 * PER_TOKEN)
     assert cache.evict(1, "admission") == 100 * PER_TOKEN and not cache.entries and cleared
+
+
+def test_a_bound_that_is_a_budget_share_follows_the_budget() -> None:
+    cache, _ = make(max_bytes=300 * PER_TOKEN, budget_share=0.5)
+    put(cache, seq(100, start=1000))
+    put(cache, seq(100, start=2000))
+    cache.follow_budget(300 * PER_TOKEN)  # the router halved this worker's share
+    assert cache.max_bytes == 150 * PER_TOKEN
+    assert [int(e.ids[0]) for e in cache.entries] == [2000] and cache.evictions == {"limit": 1}
+    fixed, _ = make(max_bytes=300 * PER_TOKEN)  # --prompt-cache-bytes: it stays
+    fixed.follow_budget(10)
+    assert fixed.max_bytes == 300 * PER_TOKEN
