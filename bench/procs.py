@@ -7,6 +7,7 @@ it fails to start. Every wait here is bounded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -76,9 +77,19 @@ class ServerProcess:
             return ""
 
     def _is_healthy(self) -> bool:
+        """200: healthy. A Headroom router whose worker gave up says ``"state": "failed"``
+        in its 503: that cannot change, so it raises rather than wait out the timeout."""
         try:
             with urllib.request.urlopen(self.health_url, timeout=2.0) as resp:
                 return int(resp.status) == 200
+        except urllib.error.HTTPError as exc:
+            try:
+                state = json.loads(exc.read() or b"{}").get("state")
+            except (ValueError, AttributeError, OSError):
+                state = None
+            if state == "failed":
+                raise StartError(f"{self.name} says its worker failed; log tail:\n{self.log_tail()}")
+            return False
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
