@@ -188,6 +188,10 @@ class RouterConfig:
         "or one of " + ", ".join(TOOL_PARSERS[2:]) + ".", choices=TOOL_PARSERS)
     drain_timeout_s: float = opt(
         30.0, "On SIGTERM, seconds to let in-flight requests finish.", flag="drain-timeout")
+    stall_timeout_s: float = opt(
+        10.0, "Seconds a worker's step counter may stand still while it has work (or 5 times "
+        "its slowest step, if more) before it is treated as wedged: killed and restarted, or "
+        "marked down if external.", flag="stall-timeout")
     max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
     log_format: str = opt("text", "Log format.", choices=("text", "json"))
@@ -250,7 +254,8 @@ class RouterConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for flag, value in (("request-timeout", self.request_timeout_s),
                             ("idle-timeout", self.idle_timeout_s),
-                            ("slow-reader-timeout", self.slow_reader_timeout_s)):
+                            ("slow-reader-timeout", self.slow_reader_timeout_s),
+                            ("stall-timeout", self.stall_timeout_s)):
             if not value > 0:  # also refuses NaN
                 raise ConfigError(f"--{flag} must be > 0, got {value}")
         if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:

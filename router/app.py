@@ -122,7 +122,7 @@ def make_fleet(cfg: RouterConfig, addr: str, env: Mapping[str, str], dispatcher:
     return Fleet(catalog, dispatcher, metrics,
                  make_spawn=make_spawn if cfg.worker_mode == "spawn" else None,
                  budget_bytes=budget, cap_bytes=cap, keep_alive_s=keep_alive_s, pins=cfg.pin,
-                 replicas=cfg.replicas, preload=True)
+                 replicas=cfg.replicas, preload=True, stall_timeout_s=cfg.stall_timeout_s)
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,

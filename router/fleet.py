@@ -28,7 +28,7 @@ from router import placement
 from router.dispatch import Dispatcher
 from router.models import ModelSpec, resolve
 from router.placement import Action, Footprint, Resident
-from router.supervisor import SpawnSpec, Supervisor, WorkerState
+from router.supervisor import STALL_TIMEOUT_S, SpawnSpec, Supervisor, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Fleet:
                  make_spawn: Callable[[ModelSpec, int | None], SpawnSpec] | None,
                  budget_bytes: int | None, cap_bytes: int | None, keep_alive_s: float,
                  pins: tuple[str, ...] = (), replicas: int = 1, preload: bool = False,
+                 stall_timeout_s: float = STALL_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
         self.dispatcher = dispatcher
@@ -90,6 +91,7 @@ class Fleet:
         self.cap_bytes = cap_bytes
         self.replicas = replicas
         self.preload = preload
+        self.stall_timeout_s = stall_timeout_s
         self.clock = clock
         self.models = {s.alias: Served(s, pinned=s.alias in pins, keep_alive_s=keep_alive_s)
                        for s in catalog}
@@ -393,7 +395,8 @@ class Fleet:
                     w.sup.spawn_spec = self.make_spawn(self.models[w.model].spec, w.lease_bytes)
 
     def _add_now(self, model: str, spawn: SpawnSpec | None, lease_bytes: int | None) -> Worker:
-        sup = Supervisor(self.dispatcher, spawn, self.metrics, model=model)
+        sup = Supervisor(self.dispatcher, spawn, self.metrics, model=model,
+                         stall_timeout_s=self.stall_timeout_s)
         sup.on_failed = self._on_failed
         w = Worker(next(self._keys), model, sup, lease_bytes)
         self.workers[w.key] = w

@@ -42,19 +42,19 @@ CRASH_LOOP_DEATHS = 5           # deaths after ready within CRASH_LOOP_WINDOW_S 
 CRASH_LOOP_WINDOW_S = 60.0
 STARTUP_DEATHS = 3              # consecutive deaths before ever getting ready → failed
 HEARTBEAT_TIMEOUT_S = 3.0       # silent this long → dead (spawned) or down (external)
-STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits → wedged
+STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits → wedged (--stall-timeout)
 STALL_STEP_FACTOR = 5.0         # ... or this many times the worker's slowest step
 MONITOR_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our worker
 STDERR_TAIL_LINES = 30
 
 
-def stall_timeout_s(report: dict[str, Any] | None) -> float:
+def stall_timeout_s(report: dict[str, Any] | None, floor_s: float = STALL_TIMEOUT_S) -> float:
     """A frozen step counter means wedged only well past the slowest step seen so far."""
     worst = report.get("worst_step_s") if report else None
     if isinstance(worst, (int, float)) and worst > 0:
-        return max(STALL_TIMEOUT_S, STALL_STEP_FACTOR * float(worst))
-    return STALL_TIMEOUT_S
+        return max(floor_s, STALL_STEP_FACTOR * float(worst))
+    return floor_s
 
 
 @dataclass(slots=True)
@@ -81,13 +81,14 @@ class Liveness:
     def work_started(self, now: float) -> None:
         self.step_changed_at = now
 
-    def verdict(self, now: float, report: dict[str, Any] | None) -> str | None:
+    def verdict(self, now: float, report: dict[str, Any] | None,
+                stall_floor_s: float = STALL_TIMEOUT_S) -> str | None:
         """Why the worker is to be treated as dead, or None while it is alive."""
         silent_s = now - self.heard_at
         stalled_s = now - self.step_changed_at if self.has_work else 0.0
         if silent_s > HEARTBEAT_TIMEOUT_S:
             return f"silent for {silent_s:.1f}s"
-        if stalled_s > stall_timeout_s(report):
+        if stalled_s > stall_timeout_s(report, stall_floor_s):
             return f"engine loop wedged for {stalled_s:.1f}s"
         return None
 
@@ -141,12 +142,13 @@ class Supervisor:
 
     def __init__(self, dispatcher: Dispatcher, spawn: SpawnSpec | None, metrics: Any,
                  clock: Callable[[], float] = time.monotonic, *, model: str = "",
-                 incarnation: int | None = None) -> None:
+                 incarnation: int | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.dispatcher = dispatcher
         self.spawn_spec = spawn
         self.metrics = metrics
         self.clock = clock
         self.model = model              # the catalog alias this worker serves
+        self.stall_timeout_s = stall_timeout_s
         self.state = WorkerState.STARTING
         self.reason = "waiting for the worker to start" if spawn else "waiting for a worker to connect"
         self.pid: int | None = None
@@ -351,7 +353,7 @@ class Supervisor:
             if link is None:
                 continue
             self.dispatcher.send_to(link.incarnation, Heartbeat(incarnation=link.incarnation))
-            why = link.liveness.verdict(self.clock(), link.status)
+            why = link.liveness.verdict(self.clock(), link.status, self.stall_timeout_s)
             if why is not None:
                 self._unresponsive(link.incarnation, why)
 

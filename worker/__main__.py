@@ -10,12 +10,16 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.config import WorkerConfig, env_snapshot, load, permanent_exit
 from common.curve import load_client_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from common.protocol import ExitCode
+
+if TYPE_CHECKING:
+    from worker.distributed import PeerWatch
 
 log = logging.getLogger("worker")
 
@@ -41,14 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
 
     group = None
+    watch: PeerWatch | None = None
     if cfg.distributed:
         from worker.distributed import join, run_follower
 
         # Each rank would keep its own slice of every entry: not built yet.
         cfg = dataclasses.replace(cfg, no_prompt_cache=True)
-        group = join(cfg.distributed, cfg.rank, loaded.model)
+        group, watch = join(cfg.distributed, cfg.rank, loaded.model)
         if group.rank() != 0:
-            return run_follower(group, loaded)
+            code = run_follower(group, loaded)
+            watch.stand_down()  # rank 0 stopped the group (or is gone): its sockets close
+            return code
 
     from worker.boot import build_server, NotEnoughMemory
 
@@ -60,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
     code = server.run()
-    if group is not None:
+    if watch is not None:
+        watch.stand_down()  # the followers' sockets close as they leave
         _stop_group(server.engine)
     return code
 

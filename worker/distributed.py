@@ -18,12 +18,20 @@ rank would keep its own slice of each entry, with rank 0's decisions broadcast t
 The wire between ranks is a msgpack frame (``encode_inputs``/``decode_inputs``, pure),
 carried by ``broadcast``: ``mx.distributed`` has no broadcast, so rank 0's length and
 bytes are summed with zeros from every other rank. A rank that dies fails the others' next
-collective (``[ring] connection to a peer was lost``): the group exits as one.
+collective (``[ring] connection to a peer was lost``), but only that one: MLX's socket
+thread gives up for good, and every later collective on that socket waits for ever. A
+forward queues several (one or two per layer), so a rank whose peer died mid-step hangs in
+MLX, out of Python's reach. ``PeerWatch`` sees the ring's sockets close instead and ends
+the rank, bounded: the group exits as one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +52,10 @@ log = logging.getLogger(__name__)
 LAUNCHED = "launch"
 # How often an idle rank 0 checks that its peers are there.
 IDLE_PING_S = 1.0
+# How often every rank looks at its ring sockets, and how long it lets a failed collective
+# end the rank by itself (a log and a clean exit) before ending it from the watch.
+PEER_CHECK_S = 0.5
+PEER_LOST_GRACE_S = 2.0
 
 
 # -- the collectives ---------------------------------------------------------------------
@@ -176,26 +188,116 @@ def follow(group: Any, engine: Engine, on_outputs: Callable[[list[Output]], None
 
 # -- joining the group, and a follower's life ----------------------------------------------
 
-def join(hostfile: str, rank: int | None, model: Any) -> Any:
-    """Join the ring group of ``hostfile`` (MLX's JSON, one ``["ip:port"]`` list per rank)
-    and keep this rank's slice of ``model``. ``rank`` None: ``$MLX_RANK``. ``hostfile``
-    ``launch``: started by ``mlx.launch``, which sets both variables."""
-    import os
+# -- a lost peer, seen on the ring's sockets ------------------------------------------------
 
+def peer_gone(sock: socket.socket) -> str | None:
+    """Why ``sock``'s peer is gone (its end closed or reset), or None while it is there.
+    A peek: nothing is taken from what MLX's socket thread reads."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None  # nothing to read: the peer is quiet, not gone
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if data else "closed by the peer"
+
+
+def _exit_lost(reason: str) -> None:
+    # os._exit: the main thread may be stuck in MLX, where no exception or signal reaches.
+    log.error("a peer of the group is gone (%s): leaving the group", reason)
+    sys.stderr.flush()
+    os._exit(ExitCode.ENGINE_ERROR)
+
+
+class PeerWatch:
+    """Ends this rank, bounded, once a peer's ring socket closes: a failed collective leaves
+    MLX waiting for ever on the next one (see the module's docstring). ``stand_down`` when
+    the group stops on purpose (its peers then close their sockets, rightly)."""
+
+    def __init__(self, sockets: list[socket.socket], on_lost: Callable[[str], None] = _exit_lost,
+                 interval_s: float = PEER_CHECK_S, grace_s: float = PEER_LOST_GRACE_S) -> None:
+        self.sockets = sockets
+        self._on_lost = on_lost
+        self._interval_s = interval_s
+        self._grace_s = grace_s
+        self._standing_down = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        self._thread.start()
+        return self
+
+    def stand_down(self) -> None:
+        self._standing_down.set()
+
+    def _run(self) -> None:
+        while not self._standing_down.wait(self._interval_s):
+            reason = next((r for r in map(peer_gone, self.sockets) if r), None)
+            if reason is None:
+                continue
+            # The rank's own failed collective may end it cleanly first; if not, it hangs.
+            if not self._standing_down.wait(self._grace_s):
+                self._on_lost(reason)
+            return
+
+
+def ring_sockets(before: set[tuple[int, int, int]]) -> list[socket.socket]:
+    """The connected stream sockets opened since ``before`` (``open_files()`` then): the
+    ring's, when taken around ``mx.distributed.init``. Each a dup: MLX keeps its own."""
+    found = []
+    for fd, _, _ in sorted(open_files() - before):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # not a socket (or closed since the listing)
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getpeername():
+                found.append(sock)
+                continue
+        except OSError:
+            pass  # not connected
+        sock.close()
+    return found
+
+
+def open_files() -> set[tuple[int, int, int]]:
+    """(fd, device, inode) of each open fd: a number closed and reused is a new file (the
+    listing's own fd is one: it is in the listing, and closed)."""
+    files = set()
+    for name in os.listdir("/dev/fd"):  # Linux and macOS alike
+        try:
+            st = os.fstat(int(name))
+        except OSError:
+            continue
+        files.add((int(name), st.st_dev, st.st_ino))
+    return files
+
+
+def join(hostfile: str, rank: int | None, model: Any) -> tuple[Any, PeerWatch]:
+    """Join the ring group of ``hostfile`` (MLX's JSON, one ``["ip:port"]`` list per rank)
+    and keep this rank's slice of ``model``; the group, and the watch on its peers (running).
+    ``rank`` None: ``$MLX_RANK``. ``hostfile`` ``launch``: started by ``mlx.launch``, which
+    sets both variables."""
     import mlx.core as mx
 
     if hostfile != LAUNCHED:
         os.environ["MLX_HOSTFILE"] = hostfile
     if rank is not None:
         os.environ["MLX_RANK"] = str(rank)
+    before = open_files()
     group = mx.distributed.init(strict=True, backend="ring")
+    sockets = ring_sockets(before)
+    if not sockets:
+        log.warning("no ring sockets found: a peer's death mid-step may leave this rank hanging")
+    watch = PeerWatch(sockets).start()
     if not hasattr(model, "shard"):
         raise LockstepError(f"{type(model).__module__} has no shard(): mlx-lm cannot split it")
     model.shard(group)
     mx.eval(model.parameters())
     mx.clear_cache()  # the slices the other ranks keep
-    log.info("rank %d of %d: holding my shard of the model", group.rank(), group.size())
-    return group
+    log.info("rank %d of %d: holding my shard of the model (watching %d ring sockets)",
+             group.rank(), group.size(), len(sockets))
+    return group, watch
 
 
 def lead_probe(group: Any, stretch: int) -> None:

@@ -84,7 +84,7 @@ def test_guarded_routes_need_the_key(guarded: Router, method: str, path: str,
 @pytest.mark.parametrize("headers", [AUTH, {"x-api-key": KEY}, {"authorization": f"bearer {KEY}"}])
 def test_the_right_key_in_either_header(guarded: Router, headers: dict[str, str]) -> None:
     assert raw(guarded, "GET", "/v1/models", headers).status_code == 200
-    r = raw(guarded, "POST", COMPLETIONS, headers, {"prompt": "hi", "max_tokens": 2})
+    r = raw(guarded, "POST", COMPLETIONS, headers, {"prompt": "hi", "max_tokens": 2, **NO_EOS})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

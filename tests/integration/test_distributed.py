@@ -11,7 +11,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
+
+from common.protocol import ExitCode
 
 from tests.conftest import free_port, wait_until
 from tests.integration.conftest import Proc, Router, isolated_env
@@ -76,10 +79,21 @@ def test_a_grammar_row_stays_in_step(group: tuple[Router, list[Proc]], router: R
     assert all(r.popen.poll() is None for r in ranks)
 
 
-def test_a_followers_death_takes_the_group_down(group: tuple[Router, list[Proc]]) -> None:
+def test_a_followers_death_mid_stream_takes_the_group_down(group: tuple[Router, list[Proc]]) -> None:
+    """Killed mid-step: rank 0's queued collectives (one or two a layer) would wait for
+    ever on the dead ring, out of Python's reach, but for its watch on the ring's sockets."""
     sharded, ranks = group
+    stream = sharded.client().completions.create(model="demo", prompt="keep going", max_tokens=3000,
+                                                 stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
     ranks[1].popen.send_signal(signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
     wait_until(lambda: ranks[0].popen.poll() is not None, 60, "rank 0 to exit with its follower gone",
                on_fail=ranks[0].log)
+    assert ranks[0].popen.returncode == ExitCode.ENGINE_ERROR, ranks[0].log()
     wait_until(lambda: sharded.worker().get("state") == "down", 30, "the router to mark it down",
                on_fail=sharded.log)

@@ -324,6 +324,7 @@ def test_bad_cli_choice_raises_config_error(argv: list[str], flag: str, env: dic
     (["--queue-timeout", "0"], "--queue-timeout"),
     (["--default-max-tokens", "0"], "--default-max-tokens"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--stall-timeout", "0"], "--stall-timeout"),
     (["--memory-limit-mb", "0"], "--memory-limit-mb"),
     (["--max-running-requests", "0"], "--max-running-requests"),
     (["--worker-mode", "external"], "--worker-mode"),
@@ -332,7 +333,7 @@ def test_router_validation(argv: list[str], flag: str, env: dict[str, str]) -> N
     assert flag in error_of(lambda: load_router(["--model", "m", *argv], env))
 
 
-@pytest.mark.parametrize("flag", ["--queue-timeout", "--drain-timeout"])
+@pytest.mark.parametrize("flag", ["--queue-timeout", "--drain-timeout", "--stall-timeout"])
 def test_nan_timeouts_are_refused(flag: str, env: dict[str, str]) -> None:
     """NaN compares false with everything, so a NaN deadline would never expire."""
     assert flag in error_of(lambda: load_router(["--model", "m", flag, "nan"], env))

@@ -12,7 +12,7 @@ from common.protocol import Heartbeat, Hello, Tokens
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, Sampling, TokenEvent
 from router.status import Metrics
-from router.supervisor import stall_timeout_s
+from router.supervisor import Liveness, stall_timeout_s
 
 MODEL = CostModel(kv_bytes_per_token=1024, num_layers=2, prefill_a_bytes=10.0, prefill_c_bytes=1.0,
                   budget_bytes=1 << 30, context_length=4096, prefill_step_tokens=256)
@@ -77,6 +77,16 @@ def test_stall_timeout_follows_the_slowest_step() -> None:
     assert stall_timeout_s(None) == 10.0
     assert stall_timeout_s({"worst_step_s": 0.1}) == 10.0
     assert stall_timeout_s({"worst_step_s": 4.0}) == 20.0
+    # --stall-timeout moves the floor; the slowest step still raises it.
+    assert stall_timeout_s({"worst_step_s": 0.1}, 2.0) == 2.0
+    assert stall_timeout_s({"worst_step_s": 4.0}, 2.0) == 20.0
+
+
+def test_a_lower_stall_timeout_judges_a_frozen_counter_sooner() -> None:
+    life = Liveness(heard_at=0.0, step=5, step_changed_at=0.0, has_work=True)
+    life.heard(3.0)
+    assert life.verdict(3.0, None) is None
+    assert life.verdict(3.0, None, stall_floor_s=2.0) == "engine loop wedged for 3.0s"
 
 
 def _submit_to_worker_7(d: Dispatcher, enqueued_at: float = 0.0) -> Job:
