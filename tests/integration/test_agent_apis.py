@@ -328,7 +328,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 def test_a_claude_code_request_is_served(router: Router) -> None:
     body = json.loads((FIXTURES / "claude_code_messages.json").read_text())
-    body["max_tokens"] = 64  # Claude Code asks for 32000; the demo model's context is 4096
+    body["max_tokens"] = 8  # Claude Code asks for 32000; the demo model's context is 4096
     resp = post(router, "/v1/messages/count_tokens", body)
     assert resp.status_code == 200, resp.text
     with router.http.stream("POST", "/v1/messages?beta=true", json=body,
@@ -343,7 +343,7 @@ def test_a_claude_code_request_is_served(router: Router) -> None:
 
 def test_a_codex_request_is_served(oai: openai.OpenAI) -> None:
     body = json.loads((FIXTURES / "codex_responses.json").read_text())
-    events = list(oai.responses.create(**{**body, "max_output_tokens": 64}))
+    events = list(oai.responses.create(**{**body, "max_output_tokens": 8}))
     assert events[0].type == "response.created"
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert events[-1].response.usage.input_tokens > 500  # type: ignore[union-attr]

@@ -6,7 +6,8 @@ import concurrent.futures
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -14,7 +15,7 @@ import pytest
 
 from router.supervisor import HEARTBEAT_TIMEOUT_S
 from tests.conftest import process_gone, wait_until
-from tests.integration.conftest import NO_EOS, Router
+from tests.integration.conftest import NO_EOS, Router, start_router
 
 # Generous ceilings: restarts include an mlx import and a model load on 2 slow cores.
 RESTART_TIMEOUT_S = 60.0
@@ -24,9 +25,19 @@ STREAM_END_S = 10.0
 STALL_S = 3.0
 
 
-def open_stream(router: Router, max_tokens: int = 3000) -> Any:
+@pytest.fixture(scope="module")
+def survivor(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[Router]:
+    """One router whose worker the kill tests take down in turn, each waiting for the
+    restart it caused (a router start saved per test). Each streams its own prompt: one
+    prompt running at two deaths is quarantined, rightly."""
+    r = start_router(tmp_path_factory.mktemp("survivor"), cache_home)
+    yield r
+    r.stop()
+
+
+def open_stream(router: Router, max_tokens: int = 3000, prompt: str = "Keep talking.") -> Any:
     stream = router.client().completions.create(
-        model="m", prompt="Keep talking.", max_tokens=max_tokens, stream=True,
+        model="m", prompt=prompt, max_tokens=max_tokens, stream=True,
         extra_body={"ignore_eos": True})
     chunks = iter(stream)
     for _ in range(5):
@@ -53,17 +64,16 @@ def wait_restarted(router: Router, old_pid: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
-def test_stream_ends_with_error_and_worker_restarts(fresh_router: Callable[..., Router],
-                                                    sig: signal.Signals) -> None:
-    router = fresh_router()
+def test_stream_ends_with_error_and_worker_restarts(survivor: Router, sig: signal.Signals) -> None:
+    router = survivor
     first = router.worker()
-    chunks = open_stream(router)
+    chunks = open_stream(router, prompt=f"Keep talking until {sig.name}.")
     os.kill(first["pid"], sig)
     error = drain_expecting_error(chunks, STREAM_END_S)
     assert "worker" in str(error.message)
     assert router.popen.poll() is None, "the router must survive its worker"
     worker = wait_restarted(router, first["pid"])
-    assert worker["restarts"] == 1
+    assert worker["restarts"] == first["restarts"] + 1
     assert worker["last_exit"]["signal"] == sig.name
     r = router.client().completions.create(model="m", prompt="Back?", max_tokens=4, extra_body=NO_EOS)
     assert r.usage is not None and r.usage.completion_tokens == 4
@@ -84,13 +94,15 @@ def test_queued_requests_survive_a_worker_death(fresh_router: Callable[..., Rout
     assert [r.usage.completion_tokens for r in results] == [6, 6, 6]
 
 
-def test_stopped_worker_is_detected_by_heartbeat_and_replaced(fresh_router: Callable[..., Router]) -> None:
-    router = fresh_router()
-    pid = router.worker()["pid"]
-    chunks = open_stream(router)
+def test_stopped_worker_is_detected_by_heartbeat_and_replaced(survivor: Router) -> None:
+    router = survivor
+    first = router.worker()
+    pid = first["pid"]
+    chunks = open_stream(router, prompt="Keep talking until stopped.")
     os.kill(pid, signal.SIGSTOP)
     drain_expecting_error(chunks, HEARTBEAT_TIMEOUT_S + STREAM_END_S)
     worker = wait_restarted(router, pid)
+    assert worker["restarts"] == first["restarts"] + 1
     assert worker["last_exit"]["signal"] == "SIGKILL"
     assert "silent" in worker["last_exit"]["reason"] or any(
         "silent" in line for line in worker["last_exit"]["stderr_tail"])
