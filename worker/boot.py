@@ -33,6 +33,18 @@ log = logging.getLogger(__name__)
 PREFILL_BATCH_SIZE = 8
 # Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
 # first kernels can take tens of seconds to compile, better before "ready" than after.
+# The largest prefill chunk when --prefill-step-size is 0. A GPU prefills thousands of
+# tokens per second (the H200: a 1024-token prompt in ~0.2 s), so a 512 cap cut a 1024-token
+# prompt in two passes and its first token came later than on mlx_lm.server (2048); the
+# pacer still sizes chunks by measured step time and the gate by memory.
+PREFILL_STEP = {"cpu": 512}
+PREFILL_STEP_GPU = 2048
+
+
+def prefill_step(flag: int, device: str) -> int:
+    return flag or PREFILL_STEP.get(device, PREFILL_STEP_GPU)
+
+
 WARMUP_BUDGET_S = {"cpu": 1.0}
 WARMUP_BUDGET_DEFAULT_S = 60.0
 
@@ -81,8 +93,9 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     # workspaces that MLX's allocator never counts): the budget must not promise it.
     idle = probe.read()
     baseline = max(0, idle.used_bytes - shape.weights_bytes)
+    step = prefill_step(cfg.prefill_step_size, probe.device)
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
-                               prefill_step_tokens=cfg.prefill_step_size,
+                               prefill_step_tokens=step,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
@@ -107,10 +120,10 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
     grammars = make_grammars(loaded)
     engine = make_engine(group, loaded.model, list(loaded.tokenizer.eos_token_ids),
-                    prefill_step_size=cfg.prefill_step_size,
+                    prefill_step_size=step,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
                     grammars=grammars)
-    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=cfg.prefill_step_size,
+    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=step,
                    max_batch=cfg.max_batch_size,
                    budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
     probe.clear_cache()

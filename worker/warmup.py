@@ -60,8 +60,12 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
         return prefill_tokens * spent / max(done, 1) <= left
 
     for kind, n in PLAN:
-        if kind == "p" and n <= max_chunk:
-            if costmodel.never_fits(model, n + 1, DECODE_TOKENS) or not affordable(n):
+        if kind == "p" and n <= 4 * max_chunk:
+            # Beyond one chunk the prompt goes in max_chunk pieces: the later ones run
+            # attention over a longer context (on the H200 a fresh worker's first
+            # 1024-token prompt took 6.7x a warm one's time when only short contexts ran).
+            if (n + 1 + DECODE_TOKENS > model.context_length
+                    or costmodel.never_fits(model, n + 1, DECODE_TOKENS) or not affordable(n)):
                 report.skipped.append(f"prefill {n}")
                 continue
             _prefill(engine, n, token, max_chunk, clock, report)
@@ -82,7 +86,7 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
 
 def _prefill(engine: Engine, size: int, token: int, max_chunk: int, clock: Callable[[], float],
              report: WarmupReport) -> None:
-    engine.set_prefill_step(size)
+    engine.set_prefill_step(min(size, max_chunk))
     engine.add(f"warmup-p{size}", [token] * (size + 1), max_tokens=1,
                sampling=SamplingParams(temperature=0.0, ignore_eos=True))
     while engine.has_work:
