@@ -168,6 +168,10 @@ class RouterConfig:
         flag="idle-timeout")
     stream_buffer_bytes: int = opt(
         256 * 1024, "Output a stream may hold for a client that is not reading.")
+    sse_keepalive_s: float = opt(
+        5.0, "Seconds a stream with nothing to say waits before sending an SSE comment (a "
+        "vanished client is then noticed during a long prefill or a wait in the queue).",
+        flag="sse-keepalive")
     slow_reader_timeout_s: float = opt(
         30.0, "Seconds a stream's output buffer may stay full before the request is cancelled "
         "and its worker row freed.", flag="slow-reader-timeout")
@@ -255,7 +259,8 @@ class RouterConfig:
         for flag, value in (("request-timeout", self.request_timeout_s),
                             ("idle-timeout", self.idle_timeout_s),
                             ("slow-reader-timeout", self.slow_reader_timeout_s),
-                            ("stall-timeout", self.stall_timeout_s)):
+                            ("stall-timeout", self.stall_timeout_s),
+                            ("sse-keepalive", self.sse_keepalive_s)):
             if not value > 0:  # also refuses NaN
                 raise ConfigError(f"--{flag} must be > 0, got {value}")
         if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:

@@ -32,6 +32,7 @@ class Limits:
     request_timeout_s: float = 60.0
     stream_buffer_bytes: int = 256 * 1024
     slow_reader_timeout_s: float = 30.0
+    keepalive_s: float = 5.0
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> Limits:
@@ -39,7 +40,7 @@ class Limits:
                    max_messages=cfg.max_messages, max_tools=cfg.max_tools,
                    max_schema_bytes=cfg.max_schema_bytes, request_timeout_s=cfg.request_timeout_s,
                    stream_buffer_bytes=cfg.stream_buffer_bytes,
-                   slow_reader_timeout_s=cfg.slow_reader_timeout_s)
+                   slow_reader_timeout_s=cfg.slow_reader_timeout_s, keepalive_s=cfg.sse_keepalive_s)
 
 
 def check_body(body: Any, limits: Limits) -> None:

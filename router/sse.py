@@ -24,9 +24,9 @@ from router.output import Collector, Presenter
 
 log = logging.getLogger(__name__)
 
-# A stream with nothing to say for this long sends an SSE comment, so a vanished client is
-# noticed (the write fails) even during a long prefill or wait in the queue.
-KEEPALIVE_S = 5.0
+# A stream with nothing to say for ``Limits.keepalive_s`` (--sse-keepalive, 5 s) sends an
+# SSE comment, so a vanished client is noticed (the write fails) even during a long prefill
+# or wait in the queue.
 # How often a stream whose client is behind looks at its buffer again (only while behind).
 DRAIN_POLL_S = 0.05
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -68,7 +68,7 @@ class Responder:
         response: web.StreamResponse | None = None
         while not all(c.finished for c in collectors):
             try:
-                async with asyncio.timeout(KEEPALIVE_S):
+                async with asyncio.timeout(self.limits.keepalive_s):
                     index, event = await rows.events.get()
             except TimeoutError:
                 response = response or await self.start_stream(request)

@@ -48,7 +48,8 @@ def test_disconnected_non_streaming_request_is_cancelled(router: Router) -> None
 
 
 def test_queued_request_that_leaves_never_reaches_the_worker(fresh_router: Callable[..., Router]) -> None:
-    router = fresh_router("--max-running-requests", "1")
+    # A keepalive each second (default 5 s): the queued stream's first comment comes sooner.
+    router = fresh_router("--max-running-requests", "1", "--sse-keepalive", "1")
     with httpx.Client(base_url=router.url, timeout=30) as first, \
             httpx.Client(base_url=router.url, timeout=30) as second:
         with first.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running_resp:
@@ -68,5 +69,5 @@ def test_queued_request_that_leaves_never_reaches_the_worker(fresh_router: Calla
             assert metric(router, "headroom_cancelled_requests_total", 'where="queued"') == 1
         wait_until(lambda: running(router) == 0, 10, "the first request to be cancelled")
     assert metric(router, "headroom_dispatched_requests_total") == dispatched
-    ok = router.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    ok = router.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] == 3

@@ -325,6 +325,7 @@ def test_bad_cli_choice_raises_config_error(argv: list[str], flag: str, env: dic
     (["--default-max-tokens", "0"], "--default-max-tokens"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
     (["--stall-timeout", "0"], "--stall-timeout"),
+    (["--sse-keepalive", "0"], "--sse-keepalive"),
     (["--memory-limit-mb", "0"], "--memory-limit-mb"),
     (["--max-running-requests", "0"], "--max-running-requests"),
     (["--worker-mode", "external"], "--worker-mode"),
@@ -333,7 +334,8 @@ def test_router_validation(argv: list[str], flag: str, env: dict[str, str]) -> N
     assert flag in error_of(lambda: load_router(["--model", "m", *argv], env))
 
 
-@pytest.mark.parametrize("flag", ["--queue-timeout", "--drain-timeout", "--stall-timeout"])
+@pytest.mark.parametrize("flag", ["--queue-timeout", "--drain-timeout", "--stall-timeout",
+                                  "--sse-keepalive"])
 def test_nan_timeouts_are_refused(flag: str, env: dict[str, str]) -> None:
     """NaN compares false with everything, so a NaN deadline would never expire."""
     assert flag in error_of(lambda: load_router(["--model", "m", flag, "nan"], env))
