@@ -29,6 +29,7 @@ __all__ = [
     "request_cost_bytes",
     "batch_cost_bytes",
     "max_request_tokens",
+    "max_new_tokens",
     "never_fits",
     "safe_prefill_chunk",
     "chunk_that_fits",
@@ -164,6 +165,13 @@ def max_request_tokens(m: CostModel) -> int:
     to the step; we charge the whole total as prompt (the conservative split).
     """
     return _largest(0, m.context_length, lambda n: request_cost_bytes(m, n - 1, 1) <= m.budget_bytes)
+
+
+def max_new_tokens(m: CostModel, prompt_tokens: int) -> int:
+    """The most tokens an idle worker can generate after this prompt: at most the context
+    left, 0 when the prompt alone does not fit."""
+    return _largest(0, max(m.context_length - prompt_tokens, 0),
+                    lambda n: request_cost_bytes(m, prompt_tokens, n) <= m.budget_bytes)
 
 
 def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
