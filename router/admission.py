@@ -61,14 +61,17 @@ def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens
 def room_left(model: CostModel | None, admission: bool, prompt_tokens: int, ceiling: int | None,
               context_length: int | None = None) -> int:
     """max_tokens of a request that asked for none: the context left after its prompt, no
-    more than an idle worker can hold after it (never a 400 for a number it did not ask
-    for), nor than ``ceiling`` (--default-max-tokens, --max-tokens-limit). Without a cost
+    more than an idle worker can hold after it while the prompt prefills at the full step
+    (never a 400 for a number it did not ask for), nor than ``ceiling`` (--default-max-tokens, --max-tokens-limit). Without a cost
     model yet (a model not loaded) the context is ``context_length`` from its config, and
     the dispatcher shrinks it to the worker's room at its hello. At least 1: a prompt that
     alone does not fit gets ``check_ever``'s own 400."""
-    if model is not None:
-        room = costmodel.max_new_tokens(model, prompt_tokens) if admission \
-            else model.context_length - prompt_tokens
+    if model is not None and admission:
+        # Room that leaves the prompt a full prefill chunk; else (a prompt near the edge) any
+        room = costmodel.max_new_tokens(model, prompt_tokens) \
+            or costmodel.max_new_tokens(model, prompt_tokens, costmodel.MIN_CHUNK_TOKENS)
+    elif model is not None:
+        room = model.context_length - prompt_tokens
     else:
         room = (context_length or UNKNOWN_CONTEXT_TOKENS) - prompt_tokens
     return max(1, min(room, ceiling) if ceiling is not None else room)

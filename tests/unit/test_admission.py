@@ -202,7 +202,11 @@ def test_room_left_always_fits_an_idle_worker(prompt: int, budget: int) -> None:
         assert room == 1  # the prompt alone does not fit: check_ever's own 400
         return
     assert check_ever(m, True, prompt, room) is None
-    assert room == m.context_length - prompt or costmodel.never_fits(m, prompt, room + 1)
+    full_step = costmodel.max_new_tokens(m, prompt)
+    edge = costmodel.max_new_tokens(m, prompt, costmodel.MIN_CHUNK_TOKENS)
+    assert costmodel.never_fits(m, prompt, edge + 1) or edge == m.context_length - prompt
+    # The room keeps a full prefill chunk free when any room does; else it is all that fits
+    assert room == (full_step or edge)
 
 
 def test_room_left_without_admission_ignores_memory() -> None:
