@@ -84,6 +84,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--touch", action="store_true",
                    help="send every system one 2-token request right before each measured workload "
                         "(keeps idle-time effects, e.g. a worker restart, out of the figures)")
+    p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                   help="keep the servers' logs under DIR (default: removed after a clean run)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                       mixed_max_tokens=args.mixed_max_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
                       headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
-                      touch=args.touch,
+                      touch=args.touch, log_dir=args.keep_logs,
                       command=shlex.join(["python", "-m", "bench", *raw]))
     try:
         doc = run_serve(cfg)

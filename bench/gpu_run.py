@@ -333,8 +333,10 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
 def part_serve(args: argparse.Namespace) -> dict[str, Any]:
     limit_mb = weights_mb(args.model_dir) + args.budget_mb
     defaults = ["--concurrency", "1,8,32", "--prompt-tokens", "short,long", "--touch"]
+    keep = Path(tempfile.mkdtemp(prefix="gpu-serve-logs-"))
     argv = [sys.executable, "-m", "bench", "serve", "--model", str(args.model_dir),
-            "--json", str(args.out / "serve.json"), f"--headroom-arg=--memory-limit-mb={limit_mb}",
+            "--json", str(args.out / "serve-bench.json"), "--keep-logs", str(keep),
+            f"--headroom-arg=--memory-limit-mb={limit_mb}",
             *(args.serve_args or defaults)]
     log.info("serve: %s", " ".join(argv))
     started = time.monotonic()
@@ -343,6 +345,9 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
         logs.flush()
         proc = subprocess.run(argv, cwd=ROOT, stdout=table, stderr=logs, timeout=args.part_timeout_s)
     print((args.out / "serve.txt").read_text())
+    # Headroom's own log (the router's and worker's lines): why a request failed is there.
+    for path in sorted(keep.glob("*/headroom*.log")):
+        append_log(args.out, f"serve {path.name}", path)
     return {"returncode": proc.returncode, "limit_mb": limit_mb, "argv": argv,
             "wall_s": round(time.monotonic() - started, 2)}
 

@@ -57,6 +57,7 @@ class ServeConfig:
     mlx_lm_args: list[str] = field(default_factory=list)
     touch: bool = False
     command: str = ""
+    log_dir: Path | None = None         # keep the servers' logs here (default: a temp dir, removed)
 
 
 def requests_for(cfg: ServeConfig, concurrency: int) -> int:
@@ -234,8 +235,10 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
 
     model_arg, folder, model_info = resolve_model(cfg.model)
     encode = load_tokenizer(folder).encode
-    run_dir = Path(tempfile.mkdtemp(prefix="headroom-bench-"))  # 0700: fine as XDG_RUNTIME_DIR
-    log.info("server logs in %s (removed after a clean run)", run_dir)
+    if cfg.log_dir is not None:
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="headroom-bench-", dir=cfg.log_dir))  # 0700: fine as XDG_RUNTIME_DIR
+    log.info("server logs in %s (%s)", run_dir, "kept" if cfg.log_dir else "removed after a clean run")
     warmup: dict[str, Any] = {}
     load_before = os.getloadavg()
     started = time.monotonic()
@@ -254,7 +257,8 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
         measured = _measure(systems, encode, cfg)
         described = {s.name: s.describe() for s in systems}
     # Reached only without an exception: keep the server logs when something failed.
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if cfg.log_dir is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
     summaries: dict[str, dict[str, Summary]] = {}
     for (name, key), rs in measured.runs.items():
         summaries.setdefault(name, {})[key] = summarize(rs)

@@ -287,7 +287,9 @@ class WorkerConfig:
     prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
     prompt_cache_dir: str | None = cache_opt("prompt_cache_dir")
     no_prompt_cache: bool = cache_opt("no_prompt_cache")
-    prefill_step_size: int = opt(512, "Largest prefill chunk in tokens.")
+    prefill_step_size: int = opt(
+        0, "Largest prefill chunk in tokens (0: 2048 on a GPU, as mlx_lm.server; 512 on the CPU "
+        "backend). Chunks are also sized by measured speed and by memory.")
     max_batch_size: int = opt(32, "Most sequences decoded together.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
     log_format: str = opt("text", "Log format.", choices=("text", "json"))
@@ -317,8 +319,8 @@ class WorkerConfig:
         _check_common(self)
         if not self.router:
             raise ConfigError("--router is required (the router's ZeroMQ address)")
-        if self.prefill_step_size < 16:
-            raise ConfigError(f"--prefill-step-size must be >= 16, got {self.prefill_step_size}")
+        if self.prefill_step_size != 0 and self.prefill_step_size < 16:
+            raise ConfigError(f"--prefill-step-size must be 0 (by device) or >= 16, got {self.prefill_step_size}")
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.rank is not None and (self.rank < 0 or not self.distributed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -33,6 +34,18 @@ log = logging.getLogger(__name__)
 PREFILL_BATCH_SIZE = 8
 # Warm start's time bound: a CPU backend is slow, and every test router pays it; a GPU's
 # first kernels can take tens of seconds to compile, better before "ready" than after.
+# The largest prefill chunk when --prefill-step-size is 0. A GPU prefills thousands of
+# tokens per second (the H200: a 1024-token prompt in ~0.2 s), so a 512 cap cut a 1024-token
+# prompt in two passes and its first token came later than on mlx_lm.server (2048); the
+# pacer still sizes chunks by measured step time and the gate by memory.
+PREFILL_STEP = {"cpu": 512}
+PREFILL_STEP_GPU = 2048
+
+
+def prefill_step(flag: int, device: str) -> int:
+    return flag or PREFILL_STEP.get(device, PREFILL_STEP_GPU)
+
+
 WARMUP_BUDGET_S = {"cpu": 1.0}
 WARMUP_BUDGET_DEFAULT_S = 60.0
 
@@ -81,8 +94,9 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     # workspaces that MLX's allocator never counts): the budget must not promise it.
     idle = probe.read()
     baseline = max(0, idle.used_bytes - shape.weights_bytes)
+    step = prefill_step(cfg.prefill_step_size, probe.device)
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
-                               prefill_step_tokens=cfg.prefill_step_size,
+                               prefill_step_tokens=step,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
@@ -107,13 +121,17 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
     grammars = make_grammars(loaded)
     engine = make_engine(group, loaded.model, list(loaded.tokenizer.eos_token_ids),
-                    prefill_step_size=cfg.prefill_step_size,
+                    prefill_step_size=step,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
                     grammars=grammars)
-    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=cfg.prefill_step_size,
+    warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=step,
                    max_batch=cfg.max_batch_size,
                    budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
     probe.clear_cache()
+    model = settle_baseline(probe, memory, model, shape.weights_bytes)
+    if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
+        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
+    max_tokens = costmodel.max_request_tokens(model)
     memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
@@ -142,6 +160,30 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
+
+
+def settle_baseline(probe: Any, memory: MemoryState, model: costmodel.CostModel,
+                    weights_bytes: int) -> costmodel.CostModel:
+    """Measure again, once the warm start has run, what this process holds beyond the
+    weights with nothing running, and take any growth off the budget.
+
+    At boot the baseline is only the runtime's start-up memory; kernels loaded and library
+    workspaces made by the first forwards come later (on the H200, ~2 GB of GPU memory that
+    MLX's allocator never counts appeared after the warm start, and a 3 GiB budget then
+    flapped in and out of "pressure" from memory it had never promised)."""
+    probe.invalidate()
+    idle = probe.read()
+    # Only growth counts: memory the runtime gave back since boot may be taken again.
+    grown = idle.used_bytes - weights_bytes - memory.baseline_bytes
+    if grown <= 0:
+        return model
+    log.log(logging.INFO if grown >= 1 << 20 else logging.DEBUG, "after the warm start this process holds %d MiB more with nothing running "
+             "(kernels, library workspaces): budget %d -> %d MiB", grown >> 20,
+             model.budget_bytes >> 20, (model.budget_bytes - grown) >> 20)
+    memory.baseline_bytes += grown
+    model = dataclasses.replace(model, budget_bytes=max(0, model.budget_bytes - grown))
+    memory.model = model
+    return model
 
 
 def make_grammars(loaded: LoadedModel) -> GrammarCompiler:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.memory import SYSTEM_READ_INTERVAL_S, DeviceProbe, MlxProbe, Reading
+from worker.memory import SYSTEM_READ_INTERVAL_S, DeviceProbe, MlxProbe, Reading, _cache_limit
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class CudaProbe:
         self.total_bytes: int | None = int(total) if total is not None else None
         self.limit_bytes = min(x for x in (limit_bytes, self.total_bytes) if x is not None)
         self._peak_bytes = 0
+        self._pool_default = self._pool_limit = _cache_limit(self._mx)
         self._free_bytes, self._footprint_bytes = self._read_device()
         self._read_at = clock()
         log.info("device cuda: %s, %d MiB total, %d MiB free, limit %d MiB (memory read from %s)",
@@ -89,8 +91,15 @@ class CudaProbe:
     # MLX's allocator calls are the same on every backend (they read self._mx and keep
     # self._peak_bytes, as MlxProbe does); tests/unit/test_devices.py checks them here.
     step_peak = MlxProbe.step_peak
-    clear_cache = MlxProbe.clear_cache
     reset_peak = MlxProbe.reset_peak
+    bound_cache = MlxProbe.bound_cache
+
+    def clear_cache(self) -> None:
+        self._mx.clear_cache()
+        self.invalidate()  # what MLX gave back shows in the GPU's figures: read them again
+
+    def invalidate(self) -> None:
+        self._read_at = -math.inf
 
     def _read_device(self) -> tuple[int, int]:
         """(the GPU's free bytes, this process's GPU bytes or 0 when NVML cannot say)."""

@@ -230,6 +230,7 @@ class MemoryGate:
         self.under_pressure = False
         self._caught_errors: list[float] = []
         memory.model = self.fitted
+        self.bound_pool()
 
     @property
     def model(self) -> CostModel:
@@ -274,11 +275,21 @@ class MemoryGate:
         """Commit an admission: the batch's worst case is now promised."""
         if decision.admit and self.admission:
             self.memory.reserved_bytes = decision.worst_bytes
+            self.bound_pool()
 
     def rebase(self, view: EngineView) -> None:
         """Rows left (finished, cancelled, evicted): promise what the rest still need."""
         self.memory.reserved_bytes = (costmodel.batch_cost_bytes(self.model, view.rows, view.longest, 0, 0, 0)
                                       if view.rows and self.admission else 0)
+        self.bound_pool()
+
+    def bound_pool(self) -> None:
+        """MLX's buffer cache may keep only what is neither promised to a request nor held
+        by the prefix cache: used memory then stays within the budget whatever MLX keeps."""
+        if self.admission:
+            ledger = self.cache.ledger()
+            self.memory.probe.bound_cache(self.model.budget_bytes - self.memory.reserved_bytes
+                                          - ledger.held_bytes)
 
     def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
@@ -338,11 +349,14 @@ class MemoryGate:
             self.under_pressure = False
             return PressureAction(admit=True, chunk_tokens=chunk_tokens, evict=0)
         mem = self.memory
-        mem.refresh()
-        allocated = self.allocated_bytes()
-        action = pressure_action(self.model, headroom_bytes=mem.headroom_bytes(),
-                                 reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
-                                 running_totals=view.running_totals, chunk_tokens=chunk_tokens)
+        action, allocated = self._pressure_now(view, chunk_tokens)
+        if not action.admit:
+            # Act only on what the device says now: a device figure read before the last
+            # step's transients were freed (CUDA's per-process bytes are read every 0.25 s)
+            # once made the worker stop requests of its own memory, as if another process
+            # had taken it (the H200, 32 long streams).
+            mem.probe.invalidate()
+            action, allocated = self._pressure_now(view, chunk_tokens)
         last = mem.last
         if not action.admit and last is not None and last.cache_bytes:
             mem.probe.clear_cache()  # reclaimable: try that before anything drastic
@@ -352,12 +366,25 @@ class MemoryGate:
             shortage = max(0, mem.reserved_bytes - allocated) - mem.headroom_bytes()
             if self.cache.evict(max(shortage, 1), "pressure") > 0:
                 return PressureAction(admit=not self.under_pressure, chunk_tokens=chunk_tokens, evict=0)
-        if action.admit != (not self.under_pressure):
-            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B",
-                        "ended" if action.admit else "began", mem.headroom_bytes(),
-                        mem.reserved_bytes, allocated)
+        if action.admit != (not self.under_pressure) or action.evict:
+            r = mem.last
+            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B "
+                        "(active %d B, cache %d B, device footprint %d B, device free %d B)%s",
+                        "ended" if action.admit else "began" if not self.under_pressure else "held",
+                        mem.headroom_bytes(), mem.reserved_bytes, allocated,
+                        r.active_bytes if r else 0, r.cache_bytes if r else 0,
+                        r.footprint_bytes if r else 0, r.system_available_bytes if r else 0,
+                        f"; stopping the {action.evict} newest" if action.evict else "")
         self.under_pressure = not action.admit
         return action
+
+    def _pressure_now(self, view: EngineView, chunk_tokens: int) -> tuple[PressureAction, int]:
+        mem = self.memory
+        mem.refresh()
+        allocated = self.allocated_bytes()
+        return pressure_action(self.model, headroom_bytes=mem.headroom_bytes(),
+                               reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
+                               running_totals=view.running_totals, chunk_tokens=chunk_tokens), allocated
 
     def predict_step(self, view: EngineView, chunk_tokens: int, previous: EngineView | None) -> int:
         """The fitted model's bound for this step's peak above weights and baseline.
@@ -413,6 +440,7 @@ class MemoryGate:
         budget = moved_budget(self.fitted.budget_bytes, old, limit_bytes, self.memory.reserved_bytes)
         probe.limit_bytes = old + (budget - self.fitted.budget_bytes)
         self.set_fitted(dataclasses.replace(self.fitted, budget_bytes=budget))
+        self.bound_pool()
         return budget
 
     def set_fitted(self, fitted: CostModel) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,18 @@ class DeviceProbe(Protocol):
     def read(self) -> Reading: ...
     def clear_cache(self) -> None: ...
     def reset_peak(self) -> None: ...
+    def bound_cache(self, nbytes: int) -> None:
+        """Let MLX's buffer cache keep at most ``nbytes`` (never more than its default)."""
+    def invalidate(self) -> None:
+        """The next read asks the system again (figures read through a slow call, such as
+        the host's available memory or a GPU's, are otherwise reused for a moment)."""
+
+
+def _cache_limit(mx: Any) -> int:
+    """MLX's buffer cache limit now (it has no getter: setting returns the previous one)."""
+    previous = int(mx.set_cache_limit(0))
+    mx.set_cache_limit(previous)
+    return previous
 
 
 class MlxProbe:
@@ -82,6 +95,7 @@ class MlxProbe:
         self._system_available = psutil.virtual_memory().available
         self._system_read_at = time.monotonic()
         self._peak_bytes = 0
+        self._pool_default = self._pool_limit = _cache_limit(mx)
 
     def read(self) -> Reading:
         mx = self._mx
@@ -107,9 +121,24 @@ class MlxProbe:
 
     def clear_cache(self) -> None:
         self._mx.clear_cache()
+        self.invalidate()  # what the cache gave back shows in the system's figures
 
     def reset_peak(self) -> None:
         self._mx.reset_peak_memory()
+
+    def invalidate(self) -> None:
+        self._system_read_at = -math.inf
+
+    def bound_cache(self, nbytes: int) -> None:
+        # MLX keeps freed buffers up to its cache limit (on Metal and CUDA by default a
+        # large share of the device, far above a --memory-limit-mb); the gate bounds it to
+        # what no request was promised, so MLX's own pool never eats a promise and the gate
+        # never sees its own cache as memory another process took. Never raised above
+        # MLX's default (on the CPU backend a larger pool made steps slower).
+        limit = max(0, min(self._pool_default, nbytes))
+        if limit != self._pool_limit:
+            self._mx.set_cache_limit(limit)
+            self._pool_limit = limit
 
 
 @dataclass(slots=True)
@@ -123,6 +152,8 @@ class FakeProbe:
     system_available_bytes: int = 1 << 40
     peak_bytes: int = 0
     cleared: int = 0
+    invalidated: int = 0
+    pool_limit: int | None = None
 
     def read(self) -> Reading:
         self.peak_bytes = max(self.peak_bytes, self.active_bytes + self.cache_bytes)
@@ -135,6 +166,12 @@ class FakeProbe:
     def clear_cache(self) -> None:
         self.cleared += 1
         self.cache_bytes = 0
+
+    def invalidate(self) -> None:
+        self.invalidated += 1
+
+    def bound_cache(self, nbytes: int) -> None:
+        self.pool_limit = max(0, nbytes)
 
     def reset_peak(self) -> None:
         pass

@@ -62,7 +62,7 @@ ROUTER_CASES = [
 ]
 WORKER_CASES = [
     ("prefill_step_size", "prefill_step_size = 64", ("MLX_WORKER_PREFILL_STEP_SIZE", "128"),
-     ["--prefill-step-size", "256"], (512, 64, 128, 256)),
+     ["--prefill-step-size", "256"], (0, 64, 128, 256)),
     ("max_running_requests", "max_running_requests = 2", ("MLX_WORKER_MAX_RUNNING_REQUESTS", "3"),
      ["--max-running-requests", "4"], (None, 2, 3, 4)),
     ("oom_guard", 'oom_guard = "off"', ("MLX_WORKER_OOM_GUARD", "raise"),

@@ -32,6 +32,7 @@ class FakeMx:
         self.cache_bytes = 1 * GIB
         self.peak_bytes = 7 * GIB
         self.info_calls = 0
+        self.cache_limit = 112 * GIB  # MLX's default on CUDA: a share of the card
         self.metal = SimpleNamespace(is_available=lambda: metal)
         self.cuda = SimpleNamespace(is_available=lambda: cuda)
 
@@ -53,6 +54,10 @@ class FakeMx:
 
     def clear_cache(self) -> None:
         self.cache_bytes = 0
+
+    def set_cache_limit(self, limit: int) -> int:
+        previous, self.cache_limit = self.cache_limit, limit
+        return previous
 
 
 def cuda_info(free: int = 100 * GIB, total: int = H200_TOTAL) -> dict[str, Any]:
@@ -135,6 +140,32 @@ def test_free_memory_is_rate_limited_and_then_refreshed() -> None:
     assert mx.info_calls == calls
     clock.now += SYSTEM_READ_INTERVAL_S
     assert probe.read().system_available_bytes == 40 * GIB
+
+
+def test_clearing_the_cache_makes_the_next_read_ask_the_gpu_again() -> None:
+    # What MLX's cache gives back leaves this process's GPU figure at once; a figure read
+    # before the clear (up to 0.25 s old) once made the gate stop its own requests.
+    nvml, clock = FakeNvml(free=90 * GIB, procs=[SimpleNamespace(pid=os.getpid(), usedGpuMemory=9 * GIB)]), Clock()
+    probe = CudaProbe(20_000, mx=FakeMx(cuda_info()), nvml=nvml, clock=clock)
+    assert probe.read().footprint_bytes == 9 * GIB
+    nvml.procs = [SimpleNamespace(pid=os.getpid(), usedGpuMemory=6 * GIB)]
+    assert probe.read().footprint_bytes == 9 * GIB  # rate-limited: the old figure
+    probe.clear_cache()
+    assert probe.read().footprint_bytes == 6 * GIB
+    nvml.procs = [SimpleNamespace(pid=os.getpid(), usedGpuMemory=5 * GIB)]
+    probe.invalidate()
+    assert probe.read().footprint_bytes == 5 * GIB
+
+
+def test_the_gate_bounds_mlx_buffer_cache_but_never_raises_it() -> None:
+    mx = FakeMx(cuda_info())
+    probe = CudaProbe(20_000, mx=mx, nvml=None)
+    probe.bound_cache(3 * GIB)
+    assert mx.cache_limit == 3 * GIB
+    probe.bound_cache(-5)                     # everything promised: keep nothing
+    assert mx.cache_limit == 0
+    probe.bound_cache(500 * GIB)              # never above MLX's own default
+    assert mx.cache_limit == 112 * GIB
 
 
 def test_nvml_gives_memory_and_name_when_mlx_does_not() -> None:

@@ -144,6 +144,50 @@ def test_pressure_stops_admitting_then_evicts_only_if_needed() -> None:
     assert action.admit and not gate.under_pressure
 
 
+def test_mlx_buffer_cache_may_keep_only_what_nobody_was_promised() -> None:
+    gate, probe = make_gate()
+    budget = gate.model.budget_bytes
+    assert probe.pool_limit == budget                       # idle: the whole budget
+    d = gate.can_admit(view(), 3000, 1000)
+    gate.reserve(d)
+    assert probe.pool_limit == budget - d.worst_bytes       # a promise shrinks it at once
+    gate.rebase(view())
+    assert probe.pool_limit == budget                       # and its end gives it back
+    gate.move_limit(LIMIT // 2)
+    assert probe.pool_limit == gate.model.budget_bytes < budget
+
+
+class StaleProbe(FakeProbe):
+    """A device figure read through a slow call: reused until ``invalidate``."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.seen_available = self.system_available_bytes
+
+    def read(self) -> Any:
+        reading = super().read()
+        return type(reading)(reading.active_bytes, reading.cache_bytes, reading.peak_bytes,
+                             reading.footprint_bytes, self.seen_available)
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        self.seen_available = self.system_available_bytes
+
+
+def test_pressure_is_judged_on_a_fresh_reading_never_a_stale_one() -> None:
+    probe = StaleProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS)
+    memory = MemoryState(probe=probe, model=make_model(), weights_bytes=WEIGHTS, baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    probe.seen_available = 1 * MIB           # the last slow read, made mid-transient
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    assert probe.invalidated == 1            # read again before acting
+    assert action.admit and action.evict == 0 and not gate.under_pressure
+    probe.system_available_bytes = probe.seen_available = 1 * MIB  # now another app really took it
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    assert not action.admit and action.evict >= 1
+
+
 # -- calibration: grow at once, decay toward what is measured -----------------------------
 
 

@@ -1,0 +1,100 @@
+"""The largest prefill chunk by device (worker/boot.py prefill_step) and the warm start's
+plan for prompts longer than one chunk (worker/warmup.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.costmodel import CostModel
+from worker import warmup
+from worker.boot import prefill_step
+
+
+def test_the_flag_wins_and_zero_means_by_device() -> None:
+    assert prefill_step(256, "cuda") == 256
+    assert prefill_step(0, "cpu") == 512
+    assert prefill_step(0, "cuda") == 2048
+    assert prefill_step(0, "metal") == 2048
+
+
+class FakeEngine:
+    """Records the chunk each warm-up prefill runs at; one step prefills one chunk."""
+
+    def __init__(self) -> None:
+        self.step_size = 0
+        self.prompts: list[tuple[int, int]] = []   # (prompt tokens, chunk)
+        self.left = 0
+        self.last_prefilled_tokens = 0
+
+    def set_prefill_step(self, n: int) -> None:
+        self.step_size = n
+
+    def add(self, rid: str, ids: list[int], max_tokens: int, sampling: Any) -> None:
+        if rid.startswith("warmup-p"):
+            self.prompts.append((len(ids), self.step_size))
+            self.left = len(ids)
+        else:
+            self.left = 1
+
+    @property
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> None:
+        self.last_prefilled_tokens = min(self.left, self.step_size or 1)
+        self.left -= self.last_prefilled_tokens
+
+
+def model(context: int = 8192) -> CostModel:
+    return CostModel(kv_bytes_per_token=1024, num_layers=4, prefill_a_bytes=10.0, prefill_c_bytes=0.0,
+                     prefill_b_bytes=0.0, budget_bytes=1 << 40, context_length=context,
+                     prefill_step_tokens=512, prefill_batch_size=8)
+
+
+def test_prompts_longer_than_a_chunk_are_warmed_in_chunks_over_a_growing_context() -> None:
+    engine = FakeEngine()
+    clock = iter(range(10_000)).__next__
+    report = warmup.warm_up(engine, model(), vocab_size=1000, max_chunk=512, max_batch=32,
+                            budget_s=1e9, clock=lambda: clock() * 1e-3)
+    assert (1025, 512) in engine.prompts and (2049, 512) in engine.prompts
+    assert all(chunk <= 512 for _, chunk in engine.prompts)
+    assert engine.step_size == 512 and not report.skipped
+
+
+def test_nothing_longer_than_the_context_is_warmed() -> None:
+    engine = FakeEngine()
+    report = warmup.warm_up(engine, model(context=1024), vocab_size=1000, max_chunk=512, max_batch=1,
+                            budget_s=1e9)
+    assert max(n for n, _ in engine.prompts) <= 1024
+    assert "prefill 1024" in report.skipped and "prefill 2048" in report.skipped
+
+
+def test_warm_up_chunks_stay_within_the_budget() -> None:
+    # Attention over chunk x context dominates: a budget of 64 MiB holds a 512-token chunk
+    # at short contexts but not at 2048 (c = 2 KB per token x context, as on the H200).
+    tight = CostModel(kv_bytes_per_token=1024, num_layers=4, prefill_a_bytes=0.0, prefill_c_bytes=2000.0,
+                      prefill_b_bytes=0.0, budget_bytes=64 << 20, context_length=8192,
+                      prefill_step_tokens=2048, prefill_batch_size=8)
+    engine = FakeEngine()
+    warmup.warm_up(engine, tight, vocab_size=1000, max_chunk=2048, max_batch=1, budget_s=1e9)
+    from common import costmodel
+    for prompt, chunk in engine.prompts:
+        assert costmodel.batch_cost_bytes(tight, 1, prompt + warmup.DECODE_TOKENS, chunk, 1, prompt) \
+            <= tight.budget_bytes
+    assert any(chunk < min(prompt - 1, 2048) for prompt, chunk in engine.prompts)
+
+
+def test_memory_held_after_the_warm_start_comes_off_the_budget() -> None:
+    from worker.boot import settle_baseline
+    from worker.memory import FakeProbe, MemoryState
+
+    mib = 1 << 20
+    probe = FakeProbe(limit_bytes=1024 * mib, active_bytes=100 * mib)
+    base = model()
+    memory = MemoryState(probe=probe, model=base, weights_bytes=100 * mib, baseline_bytes=0)
+    assert settle_baseline(probe, memory, base, 100 * mib) is base          # nothing grew
+    probe.active_bytes = 150 * mib                                          # 50 MiB more, idle
+    settled = settle_baseline(probe, memory, base, 100 * mib)
+    assert settled.budget_bytes == base.budget_bytes - 50 * mib
+    assert memory.model is settled and memory.baseline_bytes == 50 * mib
+    assert probe.invalidated >= 1                                           # a fresh reading
