@@ -185,7 +185,10 @@ class RouterConfig:
     max_queue: int = opt(256, "Most requests that may wait in the queue; more get 429.")
     queue_timeout_s: float = opt(
         300.0, "Seconds a request may wait in the queue before a 503.", flag="queue-timeout")
-    default_max_tokens: int = opt(512, "max_tokens when a request gives none.")
+    default_max_tokens: int | None = opt(
+        None, "max_tokens when a request gives none (Responses' max_output_tokens, chat and text "
+        "completions' max_tokens). Default: the room left in the context after the prompt, at "
+        "most what the worker's memory holds for one request; a number reserves less per request.")
     max_n: int = opt(8, "Most answers (n) one request may ask for; each is a row in the batch.")
     tool_parser: str = opt(
         "auto", "Tool-call format of the model: auto (from the chat template's markers), none, "
@@ -237,7 +240,7 @@ class RouterConfig:
             raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.queue_timeout_s > 0:  # also refuses NaN
             raise ConfigError(f"--queue-timeout must be > 0, got {self.queue_timeout_s}")
-        if self.default_max_tokens <= 0:
+        if self.default_max_tokens is not None and self.default_max_tokens <= 0:
             raise ConfigError(f"--default-max-tokens must be > 0, got {self.default_max_tokens}")
         if self.tool_parser not in TOOL_PARSERS:
             raise ConfigError(f"--tool-parser must be one of {TOOL_PARSERS}, got {self.tool_parser!r}")
@@ -263,7 +266,8 @@ class RouterConfig:
                             ("sse-keepalive", self.sse_keepalive_s)):
             if not value > 0:  # also refuses NaN
                 raise ConfigError(f"--{flag} must be > 0, got {value}")
-        if self.max_tokens_limit is not None and self.default_max_tokens > self.max_tokens_limit:
+        if (self.max_tokens_limit is not None and self.default_max_tokens is not None
+                and self.default_max_tokens > self.max_tokens_limit):
             raise ConfigError(f"--default-max-tokens {self.default_max_tokens} is above "
                               f"--max-tokens-limit {self.max_tokens_limit}")
         if self.api_key is not None and not self.api_key.strip():

@@ -29,6 +29,7 @@ __all__ = [
     "request_cost_bytes",
     "batch_cost_bytes",
     "max_request_tokens",
+    "max_new_tokens",
     "never_fits",
     "safe_prefill_chunk",
     "chunk_that_fits",
@@ -164,6 +165,23 @@ def max_request_tokens(m: CostModel) -> int:
     to the step; we charge the whole total as prompt (the conservative split).
     """
     return _largest(0, m.context_length, lambda n: request_cost_bytes(m, n - 1, 1) <= m.budget_bytes)
+
+
+def max_new_tokens(m: CostModel, prompt_tokens: int, chunk_tokens: int | None = None) -> int:
+    """The most tokens an idle worker can generate after this prompt while it still prefills
+    in chunks of ``chunk_tokens`` (default: its full step): at most the context left, 0 when
+    that does not fit. With MIN_CHUNK_TOKENS it is ``never_fits``'s edge, where a request
+    prefills in the smallest chunks, many times slower than at the full step."""
+    chunk = min(max(prompt_tokens, 1), chunk_tokens or m.prefill_step_tokens, m.prefill_step_tokens)
+    prefill = forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
+                                      prefill_rows=1, decode_rows=0, decode_context=0)
+
+    def fits(n: int) -> bool:
+        total = prompt_tokens + n
+        cost = batch_kv_bytes(1, total, m.kv_bytes_per_token) + prefill + growth_spike_bytes(m, 1, total)
+        return int(m.scale * cost) <= m.budget_bytes
+
+    return _largest(0, max(m.context_length - prompt_tokens, 0), fits)
 
 
 def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:

@@ -18,6 +18,9 @@ from common.errors import BadRequest, ContextLengthExceeded, InsufficientMemory
 
 # A status report older than this is too old to admit on.
 STALE_REPORT_S = 2.0
+# The context assumed for a model whose config does not say and whose worker has not said
+# hello yet (the hello's cost model then shrinks a default that was too large).
+UNKNOWN_CONTEXT_TOKENS = 4096
 
 
 class Verdict(StrEnum):
@@ -53,6 +56,25 @@ def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens
             needed_bytes=costmodel.request_cost_bytes(model, prompt_tokens, max_tokens),
             max_request_tokens=limit)
     return None
+
+
+def room_left(model: CostModel | None, admission: bool, prompt_tokens: int, ceiling: int | None,
+              context_length: int | None = None) -> int:
+    """max_tokens of a request that asked for none: the context left after its prompt, no
+    more than an idle worker can hold after it while the prompt prefills at the full step
+    (never a 400 for a number it did not ask for), nor than ``ceiling`` (--default-max-tokens, --max-tokens-limit). Without a cost
+    model yet (a model not loaded) the context is ``context_length`` from its config, and
+    the dispatcher shrinks it to the worker's room at its hello. At least 1: a prompt that
+    alone does not fit gets ``check_ever``'s own 400."""
+    if model is not None and admission:
+        # Room that leaves the prompt a full prefill chunk; else (a prompt near the edge) any
+        room = costmodel.max_new_tokens(model, prompt_tokens) \
+            or costmodel.max_new_tokens(model, prompt_tokens, costmodel.MIN_CHUNK_TOKENS)
+    elif model is not None:
+        room = model.context_length - prompt_tokens
+    else:
+        room = (context_length or UNKNOWN_CONTEXT_TOKENS) - prompt_tokens
+    return max(1, min(room, ceiling) if ceiling is not None else room)
 
 
 def check_max_tokens_only(model: CostModel, admission: bool, max_tokens: int) -> BadRequest | None:

@@ -215,11 +215,11 @@ def _tool_choice(choice: Any) -> Any:
                      param="tool_choice")
 
 
-def parse_messages(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+def parse_messages(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
     return parse_chat(to_chat(body), default_max_tokens)  # one choice: Messages has no n
 
 
-def parse_count(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+def parse_count(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
     """count_tokens takes a Messages body without max_tokens."""
     return parse_chat(to_chat(body, require_max_tokens=False), default_max_tokens)
 

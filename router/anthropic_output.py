@@ -6,7 +6,9 @@ The presenter is fed chat-shaped deltas, the pieces a chat completion's stream c
 ``thinking``, ``text`` and ``tool_use``. Streaming, each block is opened with
 ``content_block_start``, grown with ``thinking_delta`` / ``text_delta`` /
 ``input_json_delta`` and closed with ``content_block_stop`` when the next one begins; the
-whole message is the same blocks, built by the same feed.
+whole message is the same blocks, built by the same feed. A thinking block carries an empty
+``signature`` (and gets an empty ``signature_delta`` before it closes), as Anthropic's shape
+has one: its SDK's ``ThinkingBlock`` requires the field, and clients replay it as received.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 from typing import Any
 
-from common.errors import HeadroomError, QueueFull, Unavailable
+from common.errors import HeadroomError
 from router.output import Collector, sse
 
 log = logging.getLogger(__name__)
@@ -24,20 +26,17 @@ PING = sse({"type": "ping"}, event="ping")
 # chat delta field -> (block type, the block's text field, the delta type that grows it)
 TEXT_KINDS = (("reasoning_content", "thinking", "thinking", "thinking_delta"),
               ("content", "text", "text", "text_delta"))
-# Anthropic's error types by HTTP status; a 503 or a full queue means "overloaded, retry".
+# Anthropic's error types by HTTP status: a full queue (429) is "rate limited, retry later",
+# a 503 (no worker, queue timeout, lost worker) "overloaded, retry"; other 5xx are api_error.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large"}
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def error_body(exc: HeadroomError) -> dict[str, Any]:
     """Anthropic's error shape for any error of the tree: the API's one error mapping, used
     by router/api.py's middleware for HTTP errors and by the stream's ``error`` event."""
-    if isinstance(exc, (Unavailable, QueueFull)):
-        kind = "overloaded_error"
-    elif exc.status >= 500:
-        kind = "api_error"
-    else:
-        kind = ERROR_TYPES.get(exc.status, "invalid_request_error")
+    kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     message = exc.message
     if exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields
         message += " (" + ", ".join(f"{k} {v}" for k, v in exc.extra.items()) + ")"
@@ -65,7 +64,10 @@ class MessagesPresenter:
         for field, kind, text_field, delta_type in TEXT_KINDS:
             text = delta.get(field)
             if text:
-                out += self._open_block(kind, None, {"type": kind, text_field: ""})
+                block = {"type": kind, text_field: ""}
+                if kind == "thinking":
+                    block["signature"] = ""  # nothing to sign: no client can verify one of ours
+                out += self._open_block(kind, None, block)
                 self.blocks[-1][text_field] += text
                 out += self._event("content_block_delta", index=len(self.blocks) - 1,
                                    delta={"type": delta_type, text_field: text})
@@ -103,9 +105,13 @@ class MessagesPresenter:
             return b""
         self._open = None
         index = len(self.blocks) - 1
+        out = b""
         if index in self._arguments:
             self.blocks[index]["input"] = _tool_input("".join(self._arguments[index]))
-        return self._event("content_block_stop", index=index)
+        elif self.blocks[index]["type"] == "thinking":  # Anthropic signs just before the stop
+            out = self._event("content_block_delta", index=index,
+                              delta={"type": "signature_delta", "signature": ""})
+        return out + self._event("content_block_stop", index=index)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         return sse({"type": kind, **fields}, event=kind)
@@ -139,10 +145,11 @@ class MessagesPresenter:
         return out + self._close_block()
 
     def stop_reason(self, c: Collector) -> str:
-        if any(b["type"] == "tool_use" for b in self.blocks):
-            return "tool_use"
+        # max_tokens first: a tool_use block cut by the limit holds a call that never finished
         if c.finish_reason == "length":
             return "max_tokens"
+        if any(b["type"] == "tool_use" for b in self.blocks):
+            return "tool_use"
         return "stop_sequence" if c.stop_sequence is not None else "end_turn"
 
     def body(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from common.protocol import Hello
 from router import admission
 from router.dispatch import Dispatcher
 from router.fleet import Fleet, Served
-from router.job import ChoiceEvents, Job, JobState, Rows, Sampling
+from router.job import ROOM_LEFT, ChoiceEvents, Job, JobState, Rows, Sampling
 from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 from router.output import ChatPresenter, Collector, Formatter, Presenter
 from router.plan import plan_output, template_tools
@@ -56,7 +56,7 @@ class Endpoint:
 
     name: str                                        # metrics label and log name
     id_prefix: str                                   # of the response id the client sees
-    parse: Callable[[Any, int, int], Parsed]         # (body, default max_tokens, max n) -> Parsed
+    parse: Callable[[Any, int | None, int], Parsed]  # (body, default max_tokens, max n) -> Parsed
     # (body, parsed, rows, model id, tokenizer) -> the API's presenter
     present: Callable[[Any, Parsed, Rows, str, RouterTokenizer], Presenter]
     # Another API's body as the chat body it asks for: the size limits (router/limits.py)
@@ -83,13 +83,16 @@ class Api:
     """The OpenAI-compatible endpoints."""
 
     def __init__(self, *, dispatcher: Dispatcher, fleet: Fleet, metrics: Metrics,
-                 default_max_tokens: int, queue_timeout_s: float, limits: Limits,
+                 default_max_tokens: int | None, queue_timeout_s: float, limits: Limits,
                  is_draining: Callable[[], bool], trust_remote_code: bool = False,
                  max_n: int = 1, tool_parser: str = "auto") -> None:
         self.dispatcher = dispatcher
         self.fleet = fleet
         self.metrics = metrics
-        self.default_max_tokens = default_max_tokens
+        # A request that names no max_tokens gets the room left after its prompt, at most this
+        # (parsers get no default: they mark it ROOM_LEFT, resolved once the prompt is tokenized)
+        self.max_default_tokens = min((n for n in (default_max_tokens, limits.max_tokens)
+                                       if n is not None), default=None)
         self.max_n = max_n
         self.tool_parser = tool_parser
         self.queue_timeout_s = queue_timeout_s
@@ -120,12 +123,12 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, CHAT)
 
-    async def count_prompt_tokens(self, request: web.Request, parse: Callable[[Any, int, int], Parsed],
+    async def count_prompt_tokens(self, request: web.Request, parse: Callable[[Any, int | None, int], Parsed],
                                   as_chat: Callable[[Any], Any] | None = None) -> int:
         """The prompt tokens ``serve`` would admit for this body: same template, tools, tokenizer."""
         body = await self._json(request)
         self._check_limits(body, as_chat)
-        parsed = parse(body, self.default_max_tokens, self.max_n)
+        parsed = parse(body, None, self.max_n)
         served = self._served(parsed.model)
         tokenizer = await self._tokenizer_for(served, time.monotonic() + self.queue_timeout_s)
         prompts, _, _ = await self._tokenize(tokenizer, parsed, with_boundaries=False)
@@ -146,7 +149,7 @@ class Api:
                 raise NoWorker("the server is shutting down")
             body = await self._json(request)
             self._check_limits(body, endpoint.as_chat)
-            parsed = endpoint.parse(body, self.default_max_tokens, self.max_n)
+            parsed = endpoint.parse(body, None, self.max_n)
             check_max_tokens(parsed.sampling.max_tokens, self.limits)
             served = self._served(parsed.model)
             self.fleet.check_fits(served)
@@ -260,13 +263,19 @@ class Api:
         sampling = parsed.sampling
         if plan.grammar is not None:
             sampling = replace(sampling, params=replace(sampling.params, grammar=plan.grammar))
+        room_left = sampling.max_tokens == ROOM_LEFT
+        row_max_tokens = []  # per prompt: a request that named no max_tokens gets the room left
         for ids in prompts:
             check_prompt_tokens(len(ids), self.limits,
                                 "messages" if parsed.messages is not None else "prompt")
-            error = admission.check_ever(cost_model, admits, len(ids), parsed.sampling.max_tokens) \
+            max_tokens = admission.room_left(cost_model, admits, len(ids), self.max_default_tokens,
+                                             served.spec.context_length) \
+                if room_left else sampling.max_tokens
+            error = admission.check_ever(cost_model, admits, len(ids), max_tokens) \
                 if cost_model is not None else None
             if error is not None:
                 raise error
+            row_max_tokens.append(max_tokens)
         # The response id ends with the request id, so a client can quote either; a choice's
         # row is the request id with its index after a "#", which no client id may contain:
         # a client sending "abc-0" must not take over the row of another's request "abc".
@@ -275,10 +284,13 @@ class Api:
         now = time.monotonic()
         for index in range(parsed.num_choices):
             row_id = request_id if parsed.num_choices == 1 else f"{request_id}{ROW_SEP}{index}"
-            rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[index // parsed.n],
-                                 sampling=row_sampling(sampling, index), deadline=deadline,
-                                 enqueued_at=now, events=ChoiceEvents(rows.events, index),
-                                 model=served.spec.alias, boundaries=boundaries))
+            prompt = index // parsed.n
+            rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[prompt],
+                                 sampling=row_sampling(replace(sampling, max_tokens=row_max_tokens[prompt]),
+                                                       index),
+                                 deadline=deadline, enqueued_at=now,
+                                 events=ChoiceEvents(rows.events, index), model=served.spec.alias,
+                                 boundaries=boundaries, room_left=room_left))
         try:
             for job in rows.jobs:
                 self.dispatcher.submit(job)

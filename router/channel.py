@@ -35,6 +35,7 @@ class Channel:
         self.curve = curve
         self.num_bad_frames = 0
         self.refused: dict[str, Any] | None = None  # the last worker refused for its version
+        self._failing: set[bytes] = set()  # workers whose last send failed (warned once)
         # A plain (synchronous) socket read from the event loop's reader callback: no
         # Future per message or per wakeup on the token path, and a failed send raises
         # here instead of in a Future nobody awaits.
@@ -73,10 +74,15 @@ class Channel:
         """Send one message to one worker; False (logged) when it cannot be delivered."""
         try:
             self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+            self._failing.discard(identity)
             return True
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or queue full
-            log.warning("send %s to worker %s failed: %s", msg.type, identity.decode(errors="replace"),
-                        exc)
+            # Once per worker until a send gets through again: a worker that exited is sent
+            # a heartbeat every 250 ms until the supervisor has seen it go.
+            level = logging.DEBUG if identity in self._failing else logging.WARNING
+            self._failing.add(identity)
+            log.log(level, "send %s to worker %s failed: %s", msg.type,
+                    identity.decode(errors="replace"), exc)
             return False
         finally:
             self._check_readable()

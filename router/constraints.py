@@ -5,6 +5,11 @@ or a named function, in the tool-call format of the model's family) become one g
 string, checked here with llguidance's own validator: a schema the library cannot
 enforce is a 400 that says what, never silently unconstrained output. llguidance is a
 Rust extension with no MLX in it, so the router may import it.
+
+A grammar constrains the output from its first token. When the prompt ends inside a
+thinking block (the template opened ``<think>``), a forced output written there would be
+read as reasoning and never reach the client; so ``after_marker`` makes the grammar begin
+with the block's close marker, as the template itself renders an empty thought.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from llguidance import LLMatcher
 
 from common.errors import BadRequest
 
-__all__ = ["JSON_OPTIONS", "ResponseFormat", "json_schema_grammar", "lark_grammar",
-           "response_format_grammar"]
+__all__ = ["JSON_OPTIONS", "ResponseFormat", "after_marker", "guided_schema", "json_schema_grammar",
+           "lark_grammar", "response_format_grammar", "response_format_lark"]
 
 # Compact JSON with the spacing models write (", " and ": "); no free whitespace, which a
 # weak model could otherwise emit until max_tokens.
@@ -39,6 +44,23 @@ class ResponseFormat:
 
 def response_format_grammar(rf: ResponseFormat) -> str:
     return json_schema_grammar(json.dumps(rf.schema, sort_keys=True), "response_format")
+
+
+def guided_schema(schema: dict[str, Any]) -> str:
+    """A schema as the JSON of a lark ``%json`` rule, with the response-format spacing."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def response_format_lark(rf: ResponseFormat) -> str:
+    """``response_format`` as lark (to put something before it; alone, ``response_format_grammar``)."""
+    return f"start: %json {guided_schema(rf.schema)}\n"
+
+
+def after_marker(marker: str, lark: str) -> str:
+    """``lark`` (its ``start`` rule first) preceded by ``marker`` (a lark string or a special
+    token's ``<[id]>``) and the blank line templates write after a closed thinking block."""
+    body = lark.replace("start:", "forced:", 1)
+    return f'start: {marker} "\\n\\n" forced\n{body}'
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from common.costmodel import CostModel
@@ -311,6 +312,9 @@ class Dispatcher:
             return  # a larger replica may still take it
 
         def never(job: Job) -> bool:
+            if job.room_left:  # it asked for no number: the room is what fits now
+                shrink_to(job, admission.room_left(link.cost_model, link.hello.admission,
+                                                   len(job.prompt_ids), job.sampling.max_tokens))
             error = admission.check_ever(link.cost_model, link.hello.admission,
                                          len(job.prompt_ids), job.sampling.max_tokens)
             if error is not None:
@@ -370,6 +374,14 @@ class Dispatcher:
             job.num_dispatches -= 1
             self.backlog(link.model_alias).push_front(job)
             return
+        room = msg.max_request_tokens - len(job.prompt_ids)
+        if (msg.reason == RejectReason.NEVER_FITS and job.room_left and msg.needed_bytes
+                and shrink_to(job, room)):
+            # The worker's cost model moved past ours: a room-left default takes its room
+            job.num_dispatches -= 1
+            self.backlog(link.model_alias).push_front(job)
+            self.pump(link.model_alias)
+            return
         error: BadRequest
         if msg.reason == RejectReason.NEVER_FITS and msg.needed_bytes:
             error = InsufficientMemory(msg.message, param="max_tokens", needed_bytes=msg.needed_bytes,
@@ -392,3 +404,11 @@ class Dispatcher:
                 if expired:
                     self._changed(model)
             self.pump()  # a fresh report may have aged out; re-evaluate
+
+
+def shrink_to(job: Job, max_tokens: int) -> bool:
+    """Lower a room-left job's max_tokens to ``max_tokens`` (at least 1); whether it did."""
+    if not 1 <= max_tokens < job.sampling.max_tokens:
+        return False
+    job.sampling = replace(job.sampling, max_tokens=max_tokens)
+    return True

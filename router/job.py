@@ -12,6 +12,11 @@ from common.errors import HeadroomError
 from common.protocol import SamplingParams
 
 
+# max_tokens of a request that named none, until its prompt is tokenized: then the room
+# left in the context (router/admission.py's room_left). No client can send it (0 is a 400).
+ROOM_LEFT = 0
+
+
 class JobState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -22,7 +27,7 @@ class JobState(StrEnum):
 class Sampling:
     """A row's token budget and how it samples (sent to the worker as is)."""
 
-    max_tokens: int
+    max_tokens: int  # ROOM_LEFT until the prompt is tokenized, when the request named none
     params: SamplingParams = SamplingParams()
 
 
@@ -83,6 +88,7 @@ class Job:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     boundaries: list[int] = field(default_factory=list)   # message ends in the prompt (prefix cache)
+    room_left: bool = False               # max_tokens is the room left, not asked: it shrinks, never fails
 
     @property
     def total_tokens(self) -> int:

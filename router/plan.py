@@ -3,16 +3,20 @@
 Shared by every API that translates onto the chat request: given the parsed request and
 what the model's tokenizer and template declare, ``plan_output`` decides the tool-call
 family, the thinking markers, whether the prompt already opened a thinking block, and the
-grammar the worker must enforce (a forced tool call wins over ``response_format``).
+grammar the worker must enforce (a forced tool call wins over ``response_format``). A
+forced output after a prompt that opened a thinking block begins by closing it: the model
+skips its thought (as with ``enable_thinking: false``) and what it is forced to write is
+read as the answer, not as reasoning.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.errors import BadRequest
-from router.constraints import lark_grammar, response_format_grammar
+from router.constraints import after_marker, lark_grammar, response_format_grammar, response_format_lark
 from router.schema import Parsed
 from router.tools import MARKERS, StreamParser, call_grammar, detect_format, make_parser
 
@@ -66,18 +70,28 @@ def plan_output(parsed: Parsed, tok: TemplateInfo, flag: str, prompt_text: str =
     if uses_tools and (not tok.can_take_tools or family is None):
         raise BadRequest("this model's chat template cannot take tools (or its tool-call format "
                          "is unknown: see --tool-parser)", param="tools")
+    markers = tok.think_markers if family != "harmony" else None
+    opened = markers is not None and prompt_text.rstrip().endswith(markers[0])
+    close = _close_marker(tok, markers[1]) if opened and markers is not None else None
     grammar = None
     if uses_tools and parsed.tool_choice.is_forced:
         assert family is not None
-        grammar = lark_grammar(call_grammar(family, parsed.tools, parsed.tool_choice,
-                                            tok.special_token_id), "tool_choice")
+        lark = call_grammar(family, parsed.tools, parsed.tool_choice, tok.special_token_id)
+        grammar = lark_grammar(after_marker(close, lark) if close else lark, "tool_choice")
     elif parsed.response_format is not None:
-        grammar = response_format_grammar(parsed.response_format)
-    think = tok.think_markers if parsed.separate_reasoning and family != "harmony" else None
-    in_reasoning = think is not None and prompt_text.rstrip().endswith(think[0])
+        rf = parsed.response_format
+        grammar = lark_grammar(after_marker(close, response_format_lark(rf)), "response_format") \
+            if close else response_format_grammar(rf)
+    think = markers if parsed.separate_reasoning else None
     # Harmony's channels are its syntax, so it is always parsed (even without tools)
     return OutputPlan(tool_format=family if (uses_tools or family == "harmony") else None,
-                      think=think, in_reasoning=in_reasoning, grammar=grammar)
+                      think=think, in_reasoning=think is not None and opened, grammar=grammar)
+
+
+def _close_marker(tok: TemplateInfo, marker: str) -> str:
+    """The thinking block's close marker in lark: its special token where it is one."""
+    token = tok.special_token_id(marker)
+    return f"<[{token}]>" if token is not None else json.dumps(marker)
 
 
 def template_tools(parsed: Parsed) -> list[dict[str, Any]] | None:

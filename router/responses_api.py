@@ -185,7 +185,7 @@ def _text_format(text: Any) -> dict[str, Any] | None:
                      param="text.format")
 
 
-def parse_responses(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+def parse_responses(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
     return parse_chat(to_chat(body), default_max_tokens)  # one output: Responses has no n
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from common.errors import BadRequest
 from common.protocol import SamplingParams
+from router.job import ROOM_LEFT
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "MAX_COMPLETION_LOGPROBS", "parse_max_tokens",
            "parse_sampling", "check_token_ids", "is_int", "is_number"]
@@ -53,8 +54,9 @@ def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) ->
     return int(value)
 
 
-def parse_max_tokens(body: dict[str, Any], default_max_tokens: int) -> int:
-    max_tokens = default_max_tokens
+def parse_max_tokens(body: dict[str, Any], default_max_tokens: int | None) -> int:
+    """The max_tokens asked for, else the default; ``ROOM_LEFT`` (0) without a default."""
+    max_tokens = ROOM_LEFT if default_max_tokens is None else default_max_tokens
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:

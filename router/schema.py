@@ -62,7 +62,7 @@ class Parsed:
         return self.n * (len(self.prompts) if self.prompts is not None else 1)
 
 
-def parse_completion(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+def parse_completion(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
@@ -82,7 +82,7 @@ def parse_completion(body: Any, default_max_tokens: int, max_n: int = 1) -> Pars
     return _common(body, "completion", default_max_tokens, max_n, prompts=prompts)
 
 
-def parse_chat(body: Any, default_max_tokens: int, max_n: int = 1) -> Parsed:
+def parse_chat(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -141,7 +141,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _common(body: dict[str, Any], kind: str, default_max_tokens: int, max_n: int,
+def _common(body: dict[str, Any], kind: str, default_max_tokens: int | None, max_n: int,
             **prompt: Any) -> Parsed:
     for name, is_neutral in NEUTRAL.items():
         if name in body and not is_neutral(body[name]):

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.constraints import JSON_OPTIONS
+from router.constraints import guided_schema
 from router.toolspec import Tool, ToolChoice
 
 __all__ = ["FORMATS", "MARKERS", "ToolCall", "Delta", "StreamParser", "OutputParser", "detect_format",
@@ -308,16 +308,11 @@ def call_grammar(fmt_name: str, tools: list[Tool], choice: ToolChoice,
         one = fmt.template.replace("NAME", json.dumps(tool.name)[1:-1])
         one = one.replace("XMLARGS", f"xml{i}").replace("ARGS", f"args{i}")
         rules.append(f"call{i}: {_markers(one, special_id)}")
-        rules.append(f"args{i}: %json {_schema(tool.parameters)}")
+        rules.append(f"args{i}: %json {guided_schema(tool.parameters)}")
         if fmt_name == "qwen3_coder":
             rules.append(f"xml{i}: {_xml_params(tool, i, rules)}")
     alternatives = " | ".join(f"call{i}" for i in range(len(chosen)))
     return "\n".join([f"start: {alternatives}", *rules]) + "\n"
-
-
-def _schema(schema: dict[str, Any]) -> str:
-    """A schema for a %json rule, with the response-format JSON spacing."""
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 def make_parser(fmt_name: str | None, think: tuple[str, str] | None = None,
@@ -343,6 +338,6 @@ def _xml_params(tool: Tool, i: int, rules: list[str]) -> str:
     props = tool.parameters.get("properties") or {}
     parts = []
     for j, name in enumerate(tool.parameters.get("required") or []):
-        rules.append(f"p{i}_{j}: %json {_schema(props.get(name, {}))}")
+        rules.append(f"p{i}_{j}: %json {guided_schema(props.get(name, {}))}")
         parts.append(f'"<parameter={name}>\\n" p{i}_{j} "\\n</parameter>\\n"')
     return " ".join(parts) or '""'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -127,6 +128,10 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                    max_batch=cfg.max_batch_size,
                    budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
     probe.clear_cache()
+    model = settle_baseline(probe, memory, model, shape.weights_bytes)
+    if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
+        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
+    max_tokens = costmodel.max_request_tokens(model)
     memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
@@ -155,6 +160,30 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.pacer.observe(tokens, seconds)
     return server
+
+
+def settle_baseline(probe: Any, memory: MemoryState, model: costmodel.CostModel,
+                    weights_bytes: int) -> costmodel.CostModel:
+    """Measure again, once the warm start has run, what this process holds beyond the
+    weights with nothing running, and take any growth off the budget.
+
+    At boot the baseline is only the runtime's start-up memory; kernels loaded and library
+    workspaces made by the first forwards come later (on the H200, ~2 GB of GPU memory that
+    MLX's allocator never counts appeared after the warm start, and a 3 GiB budget then
+    flapped in and out of "pressure" from memory it had never promised)."""
+    probe.invalidate()
+    idle = probe.read()
+    # Only growth counts: memory the runtime gave back since boot may be taken again.
+    grown = idle.used_bytes - weights_bytes - memory.baseline_bytes
+    if grown <= 0:
+        return model
+    log.log(logging.INFO if grown >= 1 << 20 else logging.DEBUG, "after the warm start this process holds %d MiB more with nothing running "
+             "(kernels, library workspaces): budget %d -> %d MiB", grown >> 20,
+             model.budget_bytes >> 20, (model.budget_bytes - grown) >> 20)
+    memory.baseline_bytes += grown
+    model = dataclasses.replace(model, budget_bytes=max(0, model.budget_bytes - grown))
+    memory.model = model
+    return model
 
 
 def make_grammars(loaded: LoadedModel) -> GrammarCompiler:

@@ -185,6 +185,19 @@ def is_bad(frame: bytes) -> bool:
     return False
 
 
+def test_default_max_tokens_bounds_a_request_that_names_none(target: Router) -> None:
+    """(Not fuzz: this router's --default-max-tokens 8, reused.) A request without
+    max_tokens or max_output_tokens gets the room left, at most the flag's number."""
+    chat = target.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 8
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+    response = target.http.post("/v1/responses", json={"input": "hi", "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["output_tokens"] == 8 and response.json()["status"] == "incomplete"
+
+
 def test_arbitrary_frames_into_the_routers_worker_socket(target: Router) -> None:
     pid = target.worker()["pid"]
     ctx = zmq.Context()

@@ -177,3 +177,21 @@ def test_reasoning_content(client: openai.OpenAI) -> None:
     kw["extra_body"] = {**kw["extra_body"], "separate_reasoning": False}
     inline = chat(client, **kw)
     assert inline.choices[0].message.content == reasoning
+
+
+def test_forced_output_after_an_opened_thought(client: openai.OpenAI) -> None:
+    """With thinking on, the prompt opens <think>: a forced call or JSON closes it first, so
+    it arrives as the call or the content (not swallowed as reasoning), streamed and not."""
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    r = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, extra_body=thinking)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert not getattr(choice.message, "reasoning_content", None)
+    (tc,) = choice.message.tool_calls or []
+    check_call({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments},
+               "get_weather")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    streamed = assemble(chat(client, response_format=fmt, temperature=0, extra_body=thinking,
+                             stream=True))
+    assert streamed["finish"] == "stop" and streamed["reasoning"] == ""
+    jsonschema.validate(json.loads(streamed["content"]), PERSON)

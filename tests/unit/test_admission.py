@@ -13,7 +13,8 @@ from common import costmodel
 from common.costmodel import CostModel
 from common.errors import BadRequest, ContextLengthExceeded, InsufficientMemory
 from router.admission import (
-    STALE_REPORT_S, Verdict, WorkerView, can_dispatch, check_ever, check_max_tokens_only,
+    STALE_REPORT_S, UNKNOWN_CONTEXT_TOKENS, Verdict, WorkerView, can_dispatch, check_ever,
+    check_max_tokens_only, room_left,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -178,3 +179,43 @@ def test_more_in_flight_never_turns_queue_into_dispatch(running: list[int], prom
     view = make_view(max_running=100)
     if can_dispatch(view, running, prompt, max_tokens) is Verdict.QUEUE:
         assert can_dispatch(view, running + [more], prompt, max_tokens) is Verdict.QUEUE
+
+
+# -- room_left: the max_tokens of a request that named none ----------------------------
+
+
+def test_room_left_is_the_context_left_when_memory_holds_it() -> None:
+    m = make_model(budget_bytes=10**12, context_length=4096)
+    assert room_left(m, True, 1000, None) == 3096
+    assert room_left(m, True, 1000, 512) == 512  # --default-max-tokens / --max-tokens-limit
+    assert check_ever(m, True, 1000, 3096) is None
+
+
+@given(prompt=st.integers(1, 40000), budget=st.integers(1_000_000, 80_000_000))
+@FAST
+def test_room_left_always_fits_an_idle_worker(prompt: int, budget: int) -> None:
+    """Tight memory caps the default at what fits, so a request is never refused for a
+    max_tokens it did not ask for, and one token more would not fit."""
+    m = make_model(budget_bytes=budget)
+    room = room_left(m, True, prompt, None)
+    if check_ever(m, True, prompt, 1) is not None:
+        assert room == 1  # the prompt alone does not fit: check_ever's own 400
+        return
+    assert check_ever(m, True, prompt, room) is None
+    full_step = costmodel.max_new_tokens(m, prompt)
+    edge = costmodel.max_new_tokens(m, prompt, costmodel.MIN_CHUNK_TOKENS)
+    assert costmodel.never_fits(m, prompt, edge + 1) or edge == m.context_length - prompt
+    # The room keeps a full prefill chunk free when any room does; else it is all that fits
+    assert room == (full_step or edge)
+
+
+def test_room_left_without_admission_ignores_memory() -> None:
+    m = make_model(budget_bytes=1, context_length=4096)
+    assert room_left(m, False, 96, None) == 4000
+
+
+def test_room_left_before_any_worker_said_hello() -> None:
+    assert room_left(None, True, 100, None, context_length=8192) == 8092
+    assert room_left(None, True, 100, 256, context_length=8192) == 256
+    assert room_left(None, True, 100, None) == UNKNOWN_CONTEXT_TOKENS - 100
+    assert room_left(None, True, 10**6, None) == 1

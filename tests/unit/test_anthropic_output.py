@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
+import anthropic.types as anthropic_types
+import httpx
 import pytest
+from pydantic import TypeAdapter
 
 from common.errors import (
-    BadRequest, HeadroomError, InsufficientMemory, NoWorker, QueueFull, Unauthorized, WorkerLost,
+    BadRequest, HeadroomError, InsufficientMemory, ModelNotFound, NoWorker, QueueFull,
+    QueueTimeout, Unauthorized, WorkerLost,
 )
 from router.anthropic_output import MessagesPresenter, error_body
 from router.job import TokenEvent
@@ -21,11 +26,26 @@ from router.output import Collector
 
 @pytest.mark.parametrize(("error", "kind"), [
     (BadRequest("x"), "invalid_request_error"), (Unauthorized("x"), "authentication_error"),
-    (QueueFull("x"), "overloaded_error"), (NoWorker("x"), "overloaded_error"),
-    (WorkerLost("x"), "overloaded_error"), (HeadroomError("x"), "api_error"),
+    (QueueFull("x"), "rate_limit_error"), (NoWorker("x"), "overloaded_error"),
+    (QueueTimeout("x"), "overloaded_error"), (WorkerLost("x"), "overloaded_error"),
+    (HeadroomError("x"), "api_error"), (ModelNotFound("x"), "not_found_error"),
 ])
 def test_error_types(error: HeadroomError, kind: str) -> None:
-    assert error_body(error) == {"type": "error", "error": {"type": kind, "message": "x"}}
+    body = error_body(error)
+    assert body == {"type": "error", "error": {"type": kind, "message": "x"}}
+    # The official SDK's error models take it (their ``type`` is a Literal per kind)
+    parsed = anthropic_types.ErrorResponse.model_validate(body)
+    assert parsed.error.type == kind
+
+
+def test_a_full_queue_is_a_rate_limit_for_the_sdk() -> None:
+    """The anthropic client maps a 429 to RateLimitError (and retries it): the body agrees."""
+    request = httpx.Request("POST", "http://x/v1/messages")
+    response = httpx.Response(429, json=error_body(QueueFull("full")), request=request)
+    error = anthropic.Anthropic(api_key="k")._make_status_error(
+        "full", body=response.json(), response=response)
+    assert isinstance(error, anthropic.RateLimitError)
+    assert error.body == {"type": "error", "error": {"type": "rate_limit_error", "message": "full"}}
 
 
 def test_never_fits_carries_the_needed_bytes_in_the_message() -> None:
@@ -123,7 +143,7 @@ def test_thinking_text_and_streamed_tool_calls_become_blocks() -> None:
     assert json.loads(partial) == {"city": "Oslo"}
     assert [e["index"] for e in seq if e["type"] == "content_block_stop"] == [0, 1, 2, 3]
     assert seq[-2]["delta"]["stop_reason"] == "tool_use"
-    assert p.blocks == [{"type": "thinking", "thinking": "Need the weather."},
+    assert p.blocks == [{"type": "thinking", "thinking": "Need the weather.", "signature": ""},
                         {"type": "text", "text": "Checking."},
                         {"type": "tool_use", "id": "call_a", "name": "get_weather",
                          "input": {"city": "Oslo"}},
@@ -139,3 +159,39 @@ def test_whole_message_with_a_tool_call() -> None:
     whole = p.body([c], 7)
     assert whole["stop_reason"] == "tool_use"
     assert whole["content"] == [{"type": "tool_use", "id": "call_a", "name": "f", "input": {"a": 1}}]
+
+
+def test_max_tokens_wins_over_an_open_tool_use() -> None:
+    """Cut by the limit while a call was being written: the call is unfinished, so the
+    reason is max_tokens (a client would otherwise run a tool with truncated input)."""
+    p = MessagesPresenter("msg_1", "demo", 7)
+    p.feed({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": '{"a": 1}'}}]})
+    c = collector()
+    c.feed(TokenEvent([72], "length"))
+    assert p.body([c], 7)["stop_reason"] == "max_tokens"
+    streamed = MessagesPresenter("msg_2", "demo", 7)
+    streamed.feed({"tool_calls": [{"index": 0, "id": "call_b", "function": {"name": "f", "arguments": "{"}}]})
+    assert events(streamed.tail([c], 7))[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_thinking_blocks_parse_with_the_official_sdk() -> None:
+    """ThinkingBlock requires ``signature``: the whole message and the streamed events (its
+    start, a signature_delta before the stop) validate as the SDK's own models."""
+    p = MessagesPresenter("msg_1", "demo", 7)
+    raw = p.keepalive() + p.feed({"reasoning_content": "Hmm."}) + p.feed({"content": "Hi"})
+    c = collector()
+    c.feed(TokenEvent([], "stop"))
+    raw += p.tail([c], 7)
+    message = anthropic_types.Message.model_validate(p._message("end_turn", None, 0))
+    thinking = message.content[0]
+    assert isinstance(thinking, anthropic_types.ThinkingBlock)
+    assert (thinking.thinking, thinking.signature) == ("Hmm.", "")
+    adapter: TypeAdapter[Any] = TypeAdapter(anthropic_types.RawMessageStreamEvent)
+    seq = [adapter.validate_python(e) for e in events(raw) if e["type"] != "ping"]
+    assert isinstance(seq[0], anthropic_types.RawMessageStartEvent)
+    start = seq[1]
+    assert isinstance(start, anthropic_types.RawContentBlockStartEvent)
+    assert isinstance(start.content_block, anthropic_types.ThinkingBlock)
+    deltas = [e.delta for e in seq if isinstance(e, anthropic_types.RawContentBlockDeltaEvent) and e.index == 0]
+    assert [type(d) for d in deltas] == [anthropic_types.ThinkingDelta, anthropic_types.SignatureDelta]
+    assert isinstance(seq[4], anthropic_types.RawContentBlockStopEvent) and seq[4].index == 0

@@ -38,7 +38,7 @@ def load_worker(argv: list[str], env: dict[str, str]) -> WorkerConfig:
 def test_router_defaults(env: dict[str, str]) -> None:
     cfg = load_router(["--model", "demo"], env)
     assert cfg == RouterConfig(model="demo")
-    assert (cfg.host, cfg.port, cfg.max_queue, cfg.default_max_tokens) == ("127.0.0.1", 8080, 256, 512)
+    assert (cfg.host, cfg.port, cfg.max_queue, cfg.default_max_tokens) == ("127.0.0.1", 8080, 256, None)
     assert cfg.api_key is None and cfg.worker_mode == "spawn" and cfg.unsafe_no_admission is False
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from common.costmodel import (
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
-    copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_request_tokens, never_fits,
-    forward_transient_bytes, prefill_transient_bytes, request_cost_bytes, roundup,
+    copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_new_tokens, max_request_tokens,
+    never_fits, forward_transient_bytes, prefill_transient_bytes, request_cost_bytes, roundup,
     safe_prefill_chunk,
 )
 
@@ -362,3 +362,22 @@ def test_fits_now_is_consistent(m: CostModel, running: list[int], prompt: int, o
         assert worst >= request_cost_bytes(m, prompt, out)
         if free >= m.budget_bytes:
             assert fits == (not never_fits(m, prompt, out))
+
+
+def test_max_new_tokens_is_the_largest_that_fits_after_the_prompt() -> None:
+    m = make_model(budget_bytes=16 * 1024 * 1024)
+    n = max_new_tokens(m, 600)
+    assert 0 < n < m.context_length - 600 and not never_fits(m, 600, n)
+    # What is left beside the reservation holds a prefill chunk of the full step
+    free = m.budget_bytes - batch_kv_bytes(1, 600 + n, m.kv_bytes_per_token) \
+        - growth_spike_bytes(m, 1, 600 + n)
+    assert safe_prefill_chunk(m, free, 600) == m.prefill_step_tokens
+    assert safe_prefill_chunk(m, free + KV_STEP_TOKENS * m.kv_bytes_per_token, 600) \
+        == m.prefill_step_tokens
+    bigger = n + 1 + (-(600 + n + 1)) % KV_STEP_TOKENS  # the next step of the cache
+    assert safe_prefill_chunk(m, m.budget_bytes - batch_kv_bytes(1, 600 + bigger, m.kv_bytes_per_token)
+                              - growth_spike_bytes(m, 1, 600 + bigger), 600) < m.prefill_step_tokens
+    assert max_new_tokens(make_model(budget_bytes=10**12), 500) == 8192 - 500
+    assert max_new_tokens(m, 10**6) == 0
+    edge = max_new_tokens(m, 600, MIN_CHUNK_TOKENS)  # never_fits' own edge
+    assert edge >= n and not never_fits(m, 600, edge) and never_fits(m, 600, edge + 1)

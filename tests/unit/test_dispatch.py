@@ -190,3 +190,56 @@ def test_a_retiring_worker_gets_no_new_job(dispatcher: tuple[Dispatcher, Clock])
     job = _job("r1")
     d.submit(job)
     assert job.state is JobState.QUEUED
+
+
+def test_a_room_left_default_shrinks_with_the_room_rather_than_fail(
+        dispatcher: tuple[Dispatcher, Clock]) -> None:
+    """A queued request that named no max_tokens got the room left then; when the cost
+    model grows it takes the room left now, where one that asked for a number gets its 400."""
+    import dataclasses
+
+    from common import costmodel
+    from common.errors import InsufficientMemory
+    from common.protocol import Status
+    from router.admission import room_left
+
+    d, _ = dispatcher
+    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0}))  # hold everything
+    prompt = [1] * 3000
+    defaulted = Job(request_id="room", prompt_ids=prompt, room_left=True, deadline=1e9,
+                    enqueued_at=0.0, model="m",
+                    sampling=Sampling(max_tokens=room_left(MODEL, True, 3000, None)))
+    asked = Job(request_id="asked", prompt_ids=prompt, sampling=Sampling(max_tokens=1000),
+                deadline=1e9, enqueued_at=0.0, model="m")
+    d.submit(defaulted)
+    d.submit(asked)
+    scale = 1.0
+    while not costmodel.never_fits(dataclasses.replace(MODEL, scale=scale), 3000, 1000):
+        scale *= 1.5
+    grown = dataclasses.replace(MODEL, scale=scale)
+    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0,
+                                                   "cost_model": grown.to_dict()}))
+    assert isinstance(asked.events.get_nowait(), InsufficientMemory)
+    assert defaulted.state is JobState.QUEUED and defaulted.events.empty()
+    assert defaulted.sampling.max_tokens == costmodel.max_new_tokens(grown, 3000) < 1000
+
+
+def test_a_worker_s_never_fits_shrinks_a_room_left_default(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    """The worker's own cost model moved past the router's: a room-left request goes back
+    to the queue's front with the room the worker says it has; an asked-for one fails."""
+    from common.errors import InsufficientMemory
+    from common.protocol import Generate, Reject, RejectReason
+
+    d, _ = dispatcher
+    job = _submit_to_worker_7(d)
+    job.room_left = True
+    assert job.state is JobState.RUNNING
+    d._handle(b"w7", Reject(incarnation=7, request_id="r1", reason=RejectReason.NEVER_FITS,
+                            message="no", needed_bytes=10, max_request_tokens=5))
+    assert job.events.empty() and job.sampling.max_tokens == 2  # 5 in all, 3 of them prompt
+    assert job.state is JobState.RUNNING  # sent again at once
+    sent = [m.max_tokens for _, m in d.sent if isinstance(m, Generate)]  # type: ignore[attr-defined]
+    assert sent == [4, 2]
+    d._handle(b"w7", Reject(incarnation=7, request_id="r1", reason=RejectReason.NEVER_FITS,
+                            message="no", needed_bytes=10, max_request_tokens=5))
+    assert isinstance(job.events.get_nowait(), InsufficientMemory)  # no smaller room: its 400

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from common.errors import BadRequest
 from router.plan import plan_output, template_tools
@@ -99,3 +100,67 @@ def test_unenforceable_schema_names_response_format() -> None:
     with pytest.raises(BadRequest) as info:
         plan_output(chat(response_format=rf), Template(HERMES), "auto")
     assert info.value.param == "response_format" and "strange" in info.value.message
+
+
+class ByteTokenizer:
+    """A vocabulary of the 256 bytes, EOS and ``</think>`` as a special token: enough for a
+    real llguidance matcher over the plan's grammar."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<|endoftext|>", b"</think>"]
+    special_token_ids = [256, 257]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+OPENED = "<|im_start|>assistant\n<think>\n"  # a prompt whose template opened a thought
+FORCED = [({"tools": TOOLS, "tool_choice": "required"},
+           '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+          ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+           '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+          ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
+          ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+              "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+           '{"a": 1}')]
+
+
+@pytest.mark.parametrize("special", [{}, {"</think>": 257}])
+@pytest.mark.parametrize(("body", "answer"), FORCED)
+def test_forced_output_after_an_opened_thought_closes_it_first(
+        body: dict[str, Any], answer: str, special: dict[str, int]) -> None:
+    """The grammar begins with the close marker (its special token where it is one), so
+    the forced call or JSON is read as the answer, not swallowed as reasoning."""
+    plan = plan_output(chat(**body), Template(HERMES, special), "auto", "hi" + OPENED)
+    assert plan.in_reasoning and plan.grammar is not None
+    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(ByteTokenizer())), plan.grammar)
+    closer = [257] if special else list(b"</think>")
+    assert matcher.compute_ff_tokens()[:len(closer) + 2] == closer + [10, 10]
+    assert matcher.consume_tokens(closer + list(b"\n\n" + answer.encode())) and matcher.is_accepting()
+    parser = plan.parser()
+    assert parser is not None
+    out = parser.feed("</think>\n\n" + answer)
+    out.add(parser.finish())
+    assert out.reasoning == ""
+    if "tools" in body:
+        assert [(c.name, c.arguments) for c in out.calls] == [("f", '{"a": 1}')] and not out.content
+    else:
+        assert out.content == answer and not out.calls
+
+
+@pytest.mark.parametrize(("body", "answer"), FORCED[::2])
+def test_forced_output_without_an_opened_thought_starts_at_once(body: dict[str, Any], answer: str) -> None:
+    plan = plan_output(chat(**body), Template(HERMES), "auto", "<|im_start|>assistant\n")
+    assert not plan.in_reasoning and plan.grammar is not None
+    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(ByteTokenizer())), plan.grammar)
+    assert matcher.consume_tokens(list(answer.encode())) and matcher.is_accepting()
+
+
+def test_inline_reasoning_still_closes_an_opened_thought() -> None:
+    """``separate_reasoning: false`` only changes how the output is shown: the model still
+    closes the thought the prompt opened before its forced answer."""
+    plan = plan_output(chat(response_format={"type": "json_object"}, separate_reasoning=False),
+                       Template(HERMES), "auto", OPENED)
+    assert plan.think is None and not plan.in_reasoning
+    assert plan.grammar is not None and "</think>" in plan.grammar

@@ -67,3 +67,34 @@ def test_nothing_longer_than_the_context_is_warmed() -> None:
                             budget_s=1e9)
     assert max(n for n, _ in engine.prompts) <= 1024
     assert "prefill 1024" in report.skipped and "prefill 2048" in report.skipped
+
+
+def test_warm_up_chunks_stay_within_the_budget() -> None:
+    # Attention over chunk x context dominates: a budget of 64 MiB holds a 512-token chunk
+    # at short contexts but not at 2048 (c = 2 KB per token x context, as on the H200).
+    tight = CostModel(kv_bytes_per_token=1024, num_layers=4, prefill_a_bytes=0.0, prefill_c_bytes=2000.0,
+                      prefill_b_bytes=0.0, budget_bytes=64 << 20, context_length=8192,
+                      prefill_step_tokens=2048, prefill_batch_size=8)
+    engine = FakeEngine()
+    warmup.warm_up(engine, tight, vocab_size=1000, max_chunk=2048, max_batch=1, budget_s=1e9)
+    from common import costmodel
+    for prompt, chunk in engine.prompts:
+        assert costmodel.batch_cost_bytes(tight, 1, prompt + warmup.DECODE_TOKENS, chunk, 1, prompt) \
+            <= tight.budget_bytes
+    assert any(chunk < min(prompt - 1, 2048) for prompt, chunk in engine.prompts)
+
+
+def test_memory_held_after_the_warm_start_comes_off_the_budget() -> None:
+    from worker.boot import settle_baseline
+    from worker.memory import FakeProbe, MemoryState
+
+    mib = 1 << 20
+    probe = FakeProbe(limit_bytes=1024 * mib, active_bytes=100 * mib)
+    base = model()
+    memory = MemoryState(probe=probe, model=base, weights_bytes=100 * mib, baseline_bytes=0)
+    assert settle_baseline(probe, memory, base, 100 * mib) is base          # nothing grew
+    probe.active_bytes = 150 * mib                                          # 50 MiB more, idle
+    settled = settle_baseline(probe, memory, base, 100 * mib)
+    assert settled.budget_bytes == base.budget_bytes - 50 * mib
+    assert memory.model is settled and memory.baseline_bytes == 50 * mib
+    assert probe.invalidated >= 1                                           # a fresh reading

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.errors import BadRequest
 from common.protocol import SamplingParams
-from router.job import Sampling
+from router.job import ROOM_LEFT, Sampling
 from router.schema import MAX_STOPS, NEUTRAL, parse_chat, parse_completion
 
 DEFAULT_MAX = 512
@@ -171,6 +171,8 @@ def test_max_tokens_must_be_a_positive_int(parse: Any, make: Any, name: str, val
 def test_max_tokens_accepted(parse: Any, make: Any, name: str) -> None:
     assert parse(make(**{name: 9}), DEFAULT_MAX).sampling.max_tokens == 9
     assert parse(make(**{name: None}), DEFAULT_MAX).sampling.max_tokens == DEFAULT_MAX
+    # Without a fixed default it is the room left, known once the prompt is tokenized
+    assert parse(make(**{name: None}), None).sampling.max_tokens == ROOM_LEFT
 
 
 @pytest.mark.parametrize("value", [-0.1, 2.01, "1", True, float("nan"), float("inf"), [1]])
