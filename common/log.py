@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-__all__ = ["about", "bind_request", "current_request_id", "setup_logging"]
+__all__ = ["about", "bind_model", "bind_request", "current_request_id", "setup_logging"]
 
 # The request the running task serves; asyncio copies it into tasks the handler starts.
 _REQUEST: contextvars.ContextVar[dict[str, object] | None] = contextvars.ContextVar(
@@ -32,12 +32,22 @@ def current_request_id() -> str | None:
     return None if ctx is None else str(ctx["request_id"])
 
 
-def about(request_id: str, incarnation: int | None = None) -> dict[str, object]:
+def about(request_id: str, incarnation: int | None = None, model: str | None = None) -> dict[str, object]:
     """``extra=`` for a line about a request logged outside its task (dispatcher, worker)."""
     extra: dict[str, object] = {"request_id": request_id}
     if incarnation is not None:
         extra["incarnation"] = incarnation
+    if model:
+        extra["model"] = model
     return extra
+
+
+def bind_model(model: str) -> None:
+    """The request this task serves is for ``model``: its lines say so (not the process's
+    list of every model it offers)."""
+    ctx = _REQUEST.get()
+    if ctx is not None:
+        ctx["model"] = model  # the same dict the tasks it started see
 
 
 class ContextFilter(logging.Filter):

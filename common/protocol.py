@@ -49,6 +49,9 @@ __all__ = [
 PROTOCOL_VERSION = 2
 # A prompt of 1M token ids is ~5 MB of msgpack; anything much larger is garbage or abuse.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Free-form maps (a worker's status report, its cost model) are checked for depth, not
+# shape: real ones are a few levels deep. (Token rows are not walked: that is the hot path.)
+MAX_FREE_DEPTH = 16
 
 
 class ExitCode:
@@ -326,8 +329,23 @@ def _conforms(value: Any, hint: Any) -> bool:
         return all(_conforms(v, arg) for v in value)
     if origin is dict:
         _, item = typing.get_args(hint) or (str, Any)
+        if item is Any:  # free-form (a status report, a cost model): bounded in depth only
+            return isinstance(value, dict) and all(isinstance(k, str) for k in value) \
+                and _shallow(value, MAX_FREE_DEPTH)
         return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, item)
                                                for k, v in value.items())
+    return False
+
+
+def _shallow(value: Any, depth: int) -> bool:
+    """No deeper than ``depth`` levels of lists and maps (msgpack's own decoder stops at
+    1024, deep enough to make the router's JSON encoder or a recursive walk fail later)."""
+    level = [value]
+    for _ in range(depth + 1):
+        level = [v for x in level if isinstance(x, (list, dict))
+                 for v in (x.values() if isinstance(x, dict) else x)]
+        if not level:
+            return True
     return False
 
 

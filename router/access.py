@@ -48,6 +48,8 @@ CORS_HEADERS = ("Authorization, Content-Type, x-api-key, anthropic-version, anth
                 "x-stainless-runtime-version, x-stainless-retry-count, x-stainless-timeout")
 CORS_MAX_AGE_S = 600
 AUTHORIZED = web.RequestKey("authorized", bool)
+# May this caller see what could name a file (a worker's log tail, a model's path)?
+DETAILED = web.RequestKey("detailed", bool)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -85,6 +87,7 @@ class AccessPolicy:
     key_digests: tuple[bytes, ...] = ()
     allowed_hosts: frozenset[str] | None = None   # None: no Host check
     cors_origins: frozenset[str] = frozenset()
+    bound_to_loopback: bool = True
 
     @classmethod
     def build(cls, keys: Iterable[str], bind_host: str, extra_hosts: Iterable[str],
@@ -94,11 +97,17 @@ class AccessPolicy:
         if is_loopback(bind_host) or extra:
             hosts = frozenset(LOOPBACK_NAMES | extra)
         return cls(key_digests=tuple(_digest(k) for k in keys), allowed_hosts=hosts,
-                   cors_origins=frozenset(o.rstrip("/") for o in cors_origins))
+                   cors_origins=frozenset(o.rstrip("/") for o in cors_origins),
+                   bound_to_loopback=is_loopback(bind_host))
 
     @property
     def has_key(self) -> bool:
         return bool(self.key_digests)
+
+    def may_see_details(self, authorized: bool) -> bool:
+        """A caller with the key; without a key set, only while the server answers this Mac
+        alone (bound off loopback with no key, the network would read a worker's log tail)."""
+        return authorized if self.has_key else self.bound_to_loopback
 
     def is_authorized(self, authorization: str | None, x_api_key: str | None) -> bool:
         """True when no key is set, or the request carries one of the keys."""
@@ -211,6 +220,7 @@ def make_access_middleware(
         authorized = policy.is_authorized(request.headers.get("Authorization"),
                                           request.headers.get("x-api-key"))
         request[AUTHORIZED] = authorized
+        request[DETAILED] = policy.may_see_details(authorized)
         if not authorized and not is_open(request):
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer KEY' "
                                "or 'x-api-key: KEY')")

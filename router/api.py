@@ -26,7 +26,7 @@ from common.config import parse_duration
 from common.errors import (
     BadRequest, ConfigError, HeadroomError, ModelNotFound, NoWorker, QueueTimeout, RequestTimeout,
 )
-from common.log import about
+from common.log import about, bind_model
 from common.protocol import Hello
 from router import admission
 from router.dispatch import Dispatcher
@@ -191,6 +191,7 @@ class Api:
             known = ", ".join(sorted(self.fleet.models))
             raise ModelNotFound(f"the model {name!r} does not exist here; served: {known}",
                                 param="model")
+        bind_model(served.spec.alias)
         return served
 
     def preload_tokenizer(self, hello: Hello) -> None:
@@ -375,7 +376,7 @@ class Api:
         log.info("finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
                  "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
                  f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
-                 extra=about(job.request_id, job.incarnation))
+                 extra=about(job.request_id, job.incarnation, job.model))
 
 
 def row_sampling(sampling: Sampling, index: int) -> Sampling:

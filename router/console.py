@@ -82,6 +82,17 @@ def render(s: dict[str, Any], width: int = 80) -> str:
              f"queued {s['queued']}  running {s['running']}  tokens/s {s.get('tokens_per_s', 0):.1f}"
              f"  TTFT p50 {human_s(ttft.get('p50_s'))}  p95 {human_s(ttft.get('p95_s'))}"
              f"  (last {human_s(ttft.get('last_s'))}, n={ttft.get('count', 0)})", ""]
+    models = s.get("models") or []
+    if len(models) > 1:  # one model is the header's; several get a line each
+        lines.append("Models:")
+        for m in models:
+            mem = m.get("memory") or {}
+            pinned = " (pinned)" if m.get("pinned") else ""
+            lines.append(f"  {m['id']:<20} {m['state']}{pinned}  workers {m.get('workers', 0)}"
+                         f"  queued {m.get('queued', 0)}  running {m.get('running', 0)}"
+                         f"  weights {human_bytes(mem.get('weights_bytes'))}"
+                         f"  used {human_bytes(mem.get('used_bytes'))}")
+        lines.append("")
     for w in s.get("workers", []):
         lines += _worker_lines(w, s.get("history", []), now, width)
     lines.append("Recent rejections:" if s.get("rejections") else "Recent rejections: none")

@@ -118,7 +118,7 @@ class Dispatcher:
         backlog.push(job)
         log.debug("queued for %s: %d prompt tokens, max_tokens %d, %d waiting", job.model,
                   len(job.prompt_ids), job.sampling.max_tokens, len(backlog),
-                  extra=about(job.request_id))
+                  extra=about(job.request_id, model=job.model))
         self._changed(job.model)
         self.pump(job.model)
 
@@ -127,14 +127,14 @@ class Dispatcher:
         if job.state is JobState.QUEUED:
             if self.backlog(job.model).remove(job.request_id):
                 self.metrics.cancelled.labels(where="queued").inc()
-                log.debug("cancelled while queued", extra=about(job.request_id))
+                log.debug("cancelled while queued", extra=about(job.request_id, model=job.model))
         elif job.state is JobState.RUNNING and job.incarnation in self.links:
             link = self.links[job.incarnation]
             if link.in_flight.pop(job.request_id, None) is not None:
                 link.last_used_at = self.clock()
                 self._send(link, Cancel(incarnation=link.incarnation, request_id=job.request_id))
                 self.metrics.cancelled.labels(where="running").inc()
-                log.debug("cancelled while running", extra=about(job.request_id, job.incarnation))
+                log.debug("cancelled while running", extra=about(job.request_id, job.incarnation, job.model))
         was_done = job.state is JobState.DONE
         job.state = JobState.DONE
         if not was_done:
@@ -169,7 +169,7 @@ class Dispatcher:
         link.in_flight[job.request_id] = job
         self.metrics.dispatched.inc()
         log.debug("dispatched (try %d) after %.3fs queued", job.num_dispatches,
-                  job.dispatched_at - job.enqueued_at, extra=about(job.request_id, link.incarnation))
+                  job.dispatched_at - job.enqueued_at, extra=about(job.request_id, link.incarnation, job.model))
         s = job.sampling
         self._send(link, Generate(incarnation=link.incarnation, request_id=job.request_id,
                                   prompt_ids=job.prompt_ids, max_tokens=s.max_tokens,
@@ -226,7 +226,7 @@ class Dispatcher:
                     "it is likely what kills the worker"))
             elif job.num_output_tokens == 0 and job.num_dispatches < 2:
                 log.debug("re-queued: its worker was lost before its first token",
-                          extra=about(job.request_id, incarnation))
+                          extra=about(job.request_id, incarnation, job.model))
                 backlog.push_front(job)
             else:
                 # Only the cause's name: an external worker's reason may carry its
@@ -324,7 +324,7 @@ class Dispatcher:
         for job in self.backlog(link.model_alias).remove_where(never):
             log.info("can no longer fit (cost model scale %.3f, budget %d B); refused",
                      link.cost_model.scale, link.cost_model.budget_bytes,
-                     extra=about(job.request_id))
+                     extra=about(job.request_id, model=job.model))
             job.fail(refused[job.request_id])
 
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
@@ -342,7 +342,7 @@ class Dispatcher:
             if job.first_token_at is None:
                 job.first_token_at = now
                 log.debug("first token after %.3fs", now - job.enqueued_at,
-                          extra=about(request_id, link.incarnation))
+                          extra=about(request_id, link.incarnation, link.model_alias))
             job.num_output_tokens += len(ids)
             if finish is not None:
                 del link.in_flight[request_id]
@@ -368,7 +368,7 @@ class Dispatcher:
             return
         self.metrics.worker_rejects.labels(reason=msg.reason).inc()
         log.debug("worker said %s: %s", msg.reason, msg.message,
-                  extra=about(msg.request_id, link.incarnation))
+                  extra=about(msg.request_id, link.incarnation, link.model_alias))
         if msg.reason == RejectReason.NOT_NOW:
             link.held = True  # our view was stale: wait for a fresh report before sending more
             job.num_dispatches -= 1

@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.version import __version__
-from router.access import AUTHORIZED
+from router.access import DETAILED
 from router.dispatch import Dispatcher
 from router.fleet import Fleet, ModelState
 from router.history import SAMPLE_INTERVAL_S, History, Sample
@@ -246,7 +246,7 @@ class StatusViews:
         return (200 if ok else 503), body
 
     async def health(self, request: web.Request) -> web.Response:
-        code, body = self.health_body(detailed=request.get(AUTHORIZED, False))
+        code, body = self.health_body(detailed=request.get(DETAILED, False))
         return web.json_response(body, status=code)
 
     async def memory(self, request: web.Request) -> web.Response:
@@ -340,9 +340,18 @@ class StatusViews:
                 "running": sum(w["running"] for w in workers),
                 "tokens_per_s": latest.tokens_per_s if latest else 0.0,
                 "ttft": history.ttft_summary(now), "workers": workers,
+                "models": self._page_models(), "host": self.fleet.describe_host(),
                 "rejections": history.recent_rejections(), "warnings": health["warnings"],
                 "sample_interval_s": SAMPLE_INTERVAL_S, "window_s": history.window_s,
                 "history": history.samples_since(since)}
+
+    def _page_models(self) -> list[dict[str, Any]]:
+        """Each model the router offers: loaded or not, pinned, its workers and queue (no
+        source path: the page is served without a key)."""
+        models = self.fleet.describe_models()
+        for m in models:
+            m.pop("source", None)
+        return models
 
     def _page_workers(self) -> list[dict[str, Any]]:
         out = []

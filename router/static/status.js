@@ -122,8 +122,11 @@ function renderHeader(s) {
 }
 
 function renderTiles(s) {
-  const mem = s.workers.map(w => w.memory).find(m => m) || {};
-  $("t-headroom").textContent = bytes(mem.headroom_bytes);
+  // Every worker's headroom together: with several models or replicas, one worker's
+  // figure would hide the others'.
+  const mems = s.workers.map(w => w.memory).filter(m => m && m.headroom_bytes !== undefined);
+  $("t-headroom").textContent = mems.length ? bytes(mems.reduce((n, m) => n + m.headroom_bytes, 0)) : "–";
+  $("t-headroom-label").textContent = mems.length > 1 ? `Headroom (${mems.length} workers)` : "Headroom";
   $("t-queued").textContent = s.queued;
   $("t-running").textContent = s.running;
   $("t-tps").textContent = s.tokens_per_s.toFixed(1);
@@ -145,13 +148,35 @@ function renderWorkers(s) {
     const row = document.createElement("tr");
     const state = el("td", w.state, "state-" + w.state);
     state.title = w.reason || "";
-    const cells = [state, el("td", w.pid ?? "–"), el("td", w.incarnation ?? "–"),
+    const cells = [el("td", w.model || "–"), state, el("td", w.pid ?? "–"), el("td", w.incarnation ?? "–"),
       el("td", w.restarts), el("td", m.max_running_requests ? `${w.running} / ${m.max_running_requests}` : w.running),
       el("td", m.device ?? "–"), el("td", bytes(m.limit_bytes)), el("td", bytes(m.active_bytes)),
       el("td", bytes(m.cache_bytes)), el("td", bytes(m.reserved_bytes)),
       el("td", m.report_age_s === undefined ? "–" : seconds(m.report_age_s)), el("td", lastExit(w.last_exit, s.at))];
-    cells[1].dataset.field = "pid";
+    cells[2].dataset.field = "pid";
     row.append(...cells);
+    body.appendChild(row);
+  }
+}
+
+function keepAlive(v) {
+  if (v === null || v === undefined || v < 0) return "for ever";
+  return v === 0 ? "unload when idle" : seconds(v);
+}
+
+function renderModels(s) {
+  const models = s.models || [];
+  // One model: its state is the header's and its worker's; the table is for several.
+  $("models-panel").hidden = models.length < 2;
+  const body = $("models").tBodies[0];
+  body.replaceChildren();
+  for (const m of models) {
+    const mem = m.memory || {};
+    const row = document.createElement("tr");
+    const state = el("td", m.pinned ? `${m.state} (pinned)` : m.state, "state-" + m.state);
+    row.append(el("td", m.id), state, el("td", m.workers), el("td", m.queued), el("td", m.running),
+               el("td", bytes(mem.weights_bytes)), el("td", bytes(mem.used_bytes)),
+               el("td", mem.lease_bytes ? bytes(mem.lease_bytes) : "–"), el("td", keepAlive(m.keep_alive_s)));
     body.appendChild(row);
   }
 }
@@ -190,6 +215,7 @@ function render(s) {
   $("mem-span").textContent = `last ${Math.round(windowS / 60)} min, against the limit`;
   renderHeader(s);
   renderTiles(s);
+  renderModels(s);
   renderWorkers(s);
   renderCache(s);
   renderRejections(s);

@@ -102,6 +102,11 @@ def test_two_models_answer_by_name_and_are_listed(two: Router) -> None:
     listed = {m["id"]: m for m in two.http.get("/v1/models").json()["data"]}
     assert set(listed) == {"alpha", "beta"} and listed["alpha"]["pinned"]
     assert listed["alpha"]["memory"]["weights_bytes"] > 0
+    # The status page's data (and `mlx-router status`) list both, and each worker's model.
+    page = two.http.get("/status").json()
+    assert {m["id"]: m["pinned"] for m in page["models"]} == {"alpha": True, "beta": False}
+    assert {w["model"] for w in page["workers"]} == {"alpha", "beta"}
+    assert all("source" not in m for m in page["models"])
     # Idle past its 1 s keep-alive, beta's worker exits (the router says unloaded once its
     # process has exited, so the two views agree); pinned alpha stays.
     wait_until(lambda: states(two)["beta"] == "unloaded", 30, "beta unloaded after its keep-alive",

@@ -191,6 +191,7 @@ def test_the_page_in_headless_chromium(router: Router, tmp_path: Path) -> None:
     dom = done.stdout
     assert done.returncode == 0 and "</html>" in dom, done.stderr[-2000:]
     assert f'data-field="pid">{pid}<' in dom
+    assert re.search(r'id="models-panel"[^>]*hidden', dom), "one model: no models table"
     points = re.search(r'id="mem-chart"[^>]*data-points="(\d+)"', dom)
     assert points and int(points.group(1)) >= 2, dom[:4000]
     assert dom.count("<polyline") >= 4 and 'class="badge ok"' in dom

@@ -50,6 +50,14 @@ def test_host_check_is_off_when_bound_elsewhere_unless_hosts_are_listed() -> Non
     assert listed.is_host_allowed("llm.lan:8080") and not listed.is_host_allowed("evil.example")
 
 
+def test_who_may_see_a_workers_log_tail_and_paths() -> None:
+    local, exposed = AccessPolicy.build((), "127.0.0.1", (), ()), AccessPolicy.build((), "0.0.0.0", (), ())
+    keyed = AccessPolicy.build(["k"], "0.0.0.0", (), ())
+    assert local.may_see_details(True)           # no key, this Mac only
+    assert not exposed.may_see_details(True)     # no key, the whole network: never
+    assert keyed.may_see_details(True) and not keyed.may_see_details(False)
+
+
 def test_host_name() -> None:
     assert host_name("[::1]:80") == "[::1]" and host_name("a.b:1") == "a.b"
     assert host_name("a.b.") == "a.b"

@@ -48,6 +48,18 @@ def test_render_shows_the_facts_of_the_page() -> None:
     assert all(len(line) <= 120 for line in text.splitlines())
 
 
+def test_several_models_get_a_line_each_and_one_model_none() -> None:
+    models = [{"id": "chat", "state": "loaded", "pinned": True, "workers": 1, "queued": 2, "running": 1,
+               "memory": {"weights_bytes": 4 * GiB, "used_bytes": 5 * GiB}},
+              {"id": "coder", "state": "unloaded", "pinned": False, "workers": 0, "queued": 0, "running": 0,
+               "memory": {"weights_bytes": 2 * GiB, "used_bytes": 0}}]
+    text = render(body(models=models), width=120)
+    assert "Models:" in text
+    assert "chat                 loaded (pinned)  workers 1  queued 2  running 1  weights 4.00 GiB" in text
+    assert "coder                unloaded  workers 0" in text
+    assert "Models:" not in render(body(models=models[:1]), width=120)
+
+
 def test_render_without_a_worker_report() -> None:
     worker = {"state": "restarting", "reason": "backing off 2s", "pid": None, "incarnation": None,
               "restarts": 1, "mode": "spawn", "running": 0, "last_exit": None, "memory": None,

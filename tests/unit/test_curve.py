@@ -44,6 +44,22 @@ def test_a_secret_file_must_be_private(tmp_path: Path) -> None:
         read_keypair(secret_path)
 
 
+def test_key_files_and_the_authorized_folder_must_be_ours(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _, secret_path = generate("r", tmp_path / "keys")
+    folder = tmp_path / "keys"
+    folder.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by group or others"):
+        read_authorized_keys(folder)
+    folder.chmod(0o700)
+    assert read_authorized_keys(folder)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(folder).st_uid + 1)  # as another user
+    with pytest.raises(ConfigError, match="belongs to another user"):
+        read_keypair(secret_path)
+    with pytest.raises(ConfigError, match="belongs to another user"):
+        read_authorized_keys(folder)
+
+
 def test_bad_key_files_are_clear_errors(tmp_path: Path) -> None:
     public, _ = zmq.curve_keypair()
     (tmp_path / "pub.key").write_text(format_key_file(public, None))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.log import about, bind_request, current_request_id, setup_logging
+from common.log import about, bind_model, bind_request, current_request_id, setup_logging
 
 log = logging.getLogger("tests.log")
 
@@ -43,6 +43,24 @@ def test_json_lines_carry_process_and_request_fields(restore_root: None,
     assert one["request_id"] == "r1" and one["level"] == "debug"
     assert bound["request_id"] == "r2" and bound["msg"] == "bound"
     assert explicit["request_id"] == "r3" and explicit["incarnation"] == 8
+
+
+def test_a_request_line_names_its_own_model_not_the_process_list(restore_root: None,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    setup_logging("info", "json", process="mlx-router", context={"model": "alpha,beta"})
+    token = bind_request("r1")
+    try:
+        bind_model("beta")
+        log.info("for beta")
+    finally:
+        token.var.reset(token)
+    bind_model("ignored")  # no request bound: nothing to tag
+    log.info("process line")
+    log.info("queued", extra=about("r2", model="alpha"))
+    beta, process, alpha = (json.loads(line) for line in lines(capsys))
+    assert (beta["model"], beta["request_id"]) == ("beta", "r1")
+    assert process["model"] == "alpha,beta" and "request_id" not in process
+    assert (alpha["model"], alpha["request_id"]) == ("alpha", "r2")
 
 
 def test_text_lines_show_the_request_before_the_message(restore_root: None,

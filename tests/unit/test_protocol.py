@@ -231,6 +231,24 @@ def test_oversized_frame() -> None:
         decode(frame)
 
 
+def nested(depth: int) -> Any:
+    value: Any = 0
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_nesting_is_bounded_before_anything_walks_it() -> None:
+    ok = protocol.Status(incarnation=1, report={"a": nested(protocol.MAX_FREE_DEPTH - 1)})
+    assert decode(encode(ok)) == ok
+    deep = {"v": protocol.PROTOCOL_VERSION, "type": "status", "incarnation": 1,
+            "report": {"a": nested(200)}}
+    with pytest.raises(ProtocolError, match="wrong type"):
+        decode(msgpack.packb(deep))
+    with pytest.raises(ProtocolError, match="undecodable"):  # msgpack's own limit (1024)
+        decode(b"\x91" * 100_000 + b"\xc0")
+
+
 @pytest.mark.parametrize("frame", ["text", None, 123, [b"x"]])
 def test_non_bytes_frame(frame: Any) -> None:
     with pytest.raises(ProtocolError):
