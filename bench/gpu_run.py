@@ -14,6 +14,11 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
           --burst requests of ~--burst-prompt-tokens + --burst-max-tokens, all at once;
           every status and error code, restarts and the worker pid before and after,
           peak_bytes vs limit_bytes, and /v1/memory every --snapshot-s.
+- profile: one stream at a time for --profile-s seconds (--profile-max-tokens each, greedy,
+          ignore_eos), the client's inter-token gaps against in-process mlx-lm's on the same
+          prompts, the worker's own account of its loop (`/v1/memory` `loop`: time inside and
+          around the engine's step), and py-spy samples of the worker and the router when
+          py-spy is installed (raw folded stacks: `<out>/profile-{worker,router}.txt`).
 - serve:  `python -m bench serve --model DIR` (headroom vs mlx_lm.server vs in-process) with
           the limit set; arguments after `--` go to it (e.g. `-- --concurrency 1,8`).
 
@@ -43,7 +48,7 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "ttft", "memory", "serve")
+PARTS = ("info", "build", "ttft", "memory", "profile", "serve")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
@@ -328,6 +333,93 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
             "healthy_after_s": round(router.startup_s or 0, 2), **burst}
 
 
+# --- profile ----------------------------------------------------------------------------
+
+async def _one_at_a_time(url: str, prompts: list[Prompt], max_tokens: int, seconds: float) -> list[Any]:
+    target, results = url + "/v1/completions", []
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for prompt in prompts:
+            if time.monotonic() > deadline:
+                break
+            results.append(await one_request(session, target,
+                                             request_body(prompt, max_tokens, {"ignore_eos": True}), max_tokens))
+    return results
+
+
+def _gaps_ms(results: list[Any]) -> dict[str, Any]:
+    gaps = sorted(g * 1e3 for r in results if r.ok for g in r.itls_s)
+    if not gaps:
+        return {"requests": len(results), "errors": [r.error for r in results if r.error][:3]}
+    return {"requests": len(results), "ok": sum(r.ok for r in results), "gaps": len(gaps),
+            "itl_p50_ms": round(gaps[len(gaps) // 2], 3), "itl_mean_ms": round(sum(gaps) / len(gaps), 3),
+            "ttft_p50_ms": round(sorted(r.ttft_s for r in results if r.ok)[sum(r.ok for r in results) // 2] * 1e3, 2)}
+
+
+def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None or pid is None:
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
+                             "--format", "raw", "--nonblocking", "-o", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def part_profile(args: argparse.Namespace) -> dict[str, Any]:
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    prompts = make_prompts(encoder(args.model_dir), "profile", 200, 32)
+    out: dict[str, Any] = {"limit_mb": limit_mb, "max_tokens": args.profile_max_tokens}
+    with tempfile.TemporaryDirectory(prefix="gpu-profile-") as tmp:
+        router = start_router(args, Path(tmp), limit_mb, args.router_arg)
+        try:
+            asyncio.run(_one_at_a_time(router.url, prompts[:3], args.profile_max_tokens, 60))  # warm
+            before = _loop_of(router.url)
+            spies = [_spy(router.worker_pid, args.out / "profile-worker.txt", args.profile_s),
+                     _spy(router.proc.popen.pid if router.proc.popen else None,
+                          args.out / "profile-router.txt", args.profile_s)]
+            results = asyncio.run(_one_at_a_time(router.url, prompts[3:], args.profile_max_tokens,
+                                                 args.profile_s))
+            after = _loop_of(router.url)
+            out["py_spy"] = [None if spy is None else spy.communicate(timeout=60)[1].decode(errors="replace")[-300:]
+                             for spy in spies]  # its last words: the sample count, or why not
+            out["headroom"] = _gaps_ms(results)
+            steps = after.get("steps", 0) - before.get("steps", 0)
+            if steps > 0:
+                out["worker_loop"] = {
+                    "steps": steps,
+                    "engine_ms_per_step": round((after["engine_s"] - before["engine_s"]) / steps * 1e3, 3),
+                    "overhead_us_per_step": round(((after["busy_s"] - after["engine_s"])
+                                                   - (before["busy_s"] - before["engine_s"])) / steps * 1e6, 1)}
+            used = len(results)
+        finally:
+            router.stop()
+            append_log(args.out, "profile router", router.proc.log_path)
+    from bench.inprocess import InProcess
+
+    engine = InProcess(args.model_dir)
+    try:
+        engine.run(prompts[:3], concurrency=1, max_tokens=args.profile_max_tokens, repetition=0, timeout_s=60)
+        run = engine.run(prompts[3:3 + used], concurrency=1, max_tokens=args.profile_max_tokens,
+                         repetition=0, timeout_s=args.profile_s * 2)
+    finally:
+        engine.close()
+    out["inprocess"] = _gaps_ms(run.requests)
+    if "itl_mean_ms" in out["headroom"] and "itl_mean_ms" in out["inprocess"]:
+        out["itl_mean_added_us"] = round((out["headroom"]["itl_mean_ms"] - out["inprocess"]["itl_mean_ms"]) * 1e3, 1)
+    return out
+
+
+def _loop_of(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    time.sleep(SNAPSHOT_SETTLE_S)  # the worker publishes its status every 0.25 s
+    with urllib.request.urlopen(url + "/v1/memory", timeout=10) as resp:
+        workers = json.loads(resp.read()).get("workers") or [{}]
+    return dict(workers[0].get("loop") or {})
+
+
 # --- serve ------------------------------------------------------------------------------
 
 def part_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -353,7 +445,8 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "info": part_info, "build": part_build, "ttft": part_ttft, "memory": part_memory, "serve": part_serve}
+    "info": part_info, "build": part_build, "ttft": part_ttft, "memory": part_memory, "profile": part_profile,
+    "serve": part_serve}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -372,6 +465,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout-s", type=float, default=120.0, help="memory: the router's --queue-timeout")
     p.add_argument("--snapshot-s", type=float, default=1.0, help="memory: /v1/memory every this often")
     p.add_argument("--max-tokens", type=int, default=16, help="ttft: output tokens per request")
+    p.add_argument("--profile-s", type=float, default=30.0, help="profile: seconds of one-at-a-time requests")
+    p.add_argument("--profile-max-tokens", type=int, default=128, help="profile: output tokens per request")
     p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra router flag for ttft and memory (repeat; e.g. --router-arg=--log-level=debug)")

@@ -109,7 +109,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
-        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
+        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, baseline))
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline,
                          active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
@@ -130,7 +130,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     probe.clear_cache()
     model = settle_baseline(probe, memory, model, shape.weights_bytes)
     if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
-        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model))
+        raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, memory.baseline_bytes))
     max_tokens = costmodel.max_request_tokens(model)
     memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
@@ -222,11 +222,13 @@ def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
                        budget_share=share)
 
 
-def _breakdown(limit: int, shape: ModelShape, model: Any) -> str:
+def _breakdown(limit: int, shape: ModelShape, model: Any, baseline: int) -> str:
     mib = 1 << 20
     return (
         f"not enough memory to serve even a {costmodel.MIN_REQUEST_TOKENS}-token request: "
         f"limit {limit} B ({limit // mib} MiB), weights {shape.weights_bytes} B "
-        f"({shape.weights_bytes // mib} MiB), KV {model.kv_bytes_per_token} B/token, "
+        f"({shape.weights_bytes // mib} MiB), runtime baseline {baseline} B ({baseline // mib} MiB: "
+        f"what the process holds beyond the weights with nothing running), "
+        f"KV {model.kv_bytes_per_token} B/token, "
         f"budget left {model.budget_bytes} B. Remedy: raise --memory-limit-mb, close other "
         f"apps, or use a smaller or more quantized model.")

@@ -294,6 +294,7 @@ class MemoryState:
             "headroom_bytes": self.headroom_bytes(),
             "reserved_bytes": self.reserved_bytes,
             "weights_bytes": self.weights_bytes,
+            "baseline_bytes": self.baseline_bytes,
             "kv_bytes_per_token": self.model.kv_bytes_per_token,
             "safe_prefill_chunk": self.model.prefill_step_tokens,
             "max_running_requests": max_running,

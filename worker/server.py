@@ -50,6 +50,25 @@ SHUTDOWN_GRACE_S = 10.0
 ORPHAN_EXIT_S = 5.0
 
 
+@dataclass(slots=True)
+class LoopTiming:
+    """Where the loop's time goes while it has work: inside the engine's step (model and
+    sampling) or around it (sockets, the gate, publishing). At one stream on a fast GPU a
+    decode step can be bound by the host thread that launches it, so time spent around
+    the step adds to every token; ``/v1/memory`` shows both (``loop``)."""
+
+    steps: int = 0
+    engine_s: float = 0.0    # inside Engine.step
+    busy_s: float = 0.0      # whole loop iterations that stepped the engine
+
+    def overhead_us_per_step(self) -> float:
+        return (self.busy_s - self.engine_s) / self.steps * 1e6 if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "engine_s": round(self.engine_s, 4), "busy_s": round(self.busy_s, 4),
+                "overhead_us_per_step": round(self.overhead_us_per_step(), 1)}
+
+
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
     router_addr: str
@@ -131,6 +150,7 @@ class WorkerServer:
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
         self._worst_step_s = 0.0
+        self.timing = LoopTiming()
         self._previous: EngineView | None = None
         self._grow_scale = False
         self._broken = False         # a step raised a non-memory error: no more steps
@@ -158,14 +178,24 @@ class WorkerServer:
         return self.shutdown()
 
     def loop_once(self) -> None:
-        self.receive(timeout_ms=0 if self.engine.has_work else IDLE_POLL_MS)
+        started, steps = time.perf_counter(), self.timing.steps
+        busy = self.engine.has_work
+        self.receive(timeout_ms=0 if busy else IDLE_POLL_MS)
+        if not busy:
+            started = time.perf_counter()  # an idle poll's wait is not the loop's work
         if self._grow_scale and self.opts.grow_scale_on_signal:
             self._grow_scale = False
             self.gate.grow_scale(self.opts.grow_scale_on_signal, self.clock())
             self._changed = True
         outputs = self.relieve_pressure()
         outputs += self.step()
+        stepped = self.timing.steps != steps
+        if stepped:  # counted before the status it publishes, and its publishing after
+            self.timing.busy_s += time.perf_counter() - started
+            started = time.perf_counter()
         self.publish(outputs)
+        if stepped:
+            self.timing.busy_s += time.perf_counter() - started
         if self.opts.wedge_after_steps is not None and self.engine.num_steps >= self.opts.wedge_after_steps:
             self._wedge()
 
@@ -338,13 +368,15 @@ class WorkerServer:
         view = self._size_chunk()
         predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
         self._previous = view
-        started = time.monotonic()
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
             self._guard()
         except Exception as exc:
             return self._failed(exc)
-        elapsed = time.monotonic() - started
+        elapsed = time.perf_counter() - started
+        self.timing.steps += 1
+        self.timing.engine_s += elapsed
         if self.gate.observe_step(predicted, self.clock()):
             self._changed = True
         self._worst_step_s = max(self._worst_step_s, elapsed)
@@ -448,6 +480,7 @@ class WorkerServer:
         report["step"] = self.engine.num_steps
         report["bad_frames"] = self.num_bad_frames
         report["worst_step_s"] = round(self._worst_step_s, 4)
+        report["loop"] = self.timing.to_dict()
         report["safe_prefill_chunk"] = self.chunk_tokens
         report["prompt_cache"] = self.cache.report() if self.cache is not None else {"enabled": False}
         self.send(Status(incarnation=self.opts.incarnation, report=report))

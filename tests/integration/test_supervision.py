@@ -76,7 +76,7 @@ def test_worker_without_memory_for_a_minimal_request_fails_with_a_breakdown(
                             60, "the worker state to become failed", on_fail=bad.log)
         assert worker["last_exit"]["code"] == 4
         tail = "\n".join(worker["last_exit"]["stderr_tail"])
-        assert "weights" in tail and "Remedy" in tail
+        assert "weights" in tail and "runtime baseline" in tail and "Remedy" in tail
         r = bad.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
     finally:
