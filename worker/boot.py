@@ -126,7 +126,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                     grammars=grammars)
     warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=step,
                    max_batch=cfg.max_batch_size,
-                   budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S))
+                   budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S),
+                   holdout_ratio=calibration.holdout_ratio)
     probe.clear_cache()
     model = settle_baseline(probe, memory, model, shape.weights_bytes)
     if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):

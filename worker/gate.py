@@ -164,6 +164,9 @@ class ScaleTracker:
     def __init__(self, now: float) -> None:
         self.scale = 1.0
         self.worst_ratio = 0.0          # worst measured / predicted-at-the-current-scale
+        # The window's ratios as a monotonic queue (each older than and above the next):
+        # its head is the window's largest, kept in O(1) per step (a scan of a minute of
+        # steps cost ~80 µs a step on the H200, at one stream ~1% of each token).
         self._window: deque[tuple[float, float]] = deque()
         self._decayed_at = now
         self.history: deque[ScaleChange] = deque([ScaleChange(now, 1.0, "fitted")], maxlen=SCALE_HISTORY)
@@ -174,7 +177,7 @@ class ScaleTracker:
             return False
         ratio = measured / predicted_fitted
         self.worst_ratio = max(self.worst_ratio, ratio / self.scale)
-        self._window.append((now, ratio))
+        self._remember(now, ratio)
         if ratio > self.scale:
             return self._set(ratio * GROWTH_MARGIN, now, f"step peak x{ratio / self.scale:.2f} over prediction")
         return self._decay(now)
@@ -183,13 +186,23 @@ class ScaleTracker:
         """Grow by ``factor`` without a measured step (a caught memory error, a test hook);
         the growth is kept for the whole window, as a measured overshoot would be."""
         new = self.scale * factor
-        self._window.append((now, new / GROWTH_MARGIN))
+        self._remember(now, new / GROWTH_MARGIN)
         return self._set(new, now, why)
 
-    def _decay(self, now: float) -> bool:
+    def _remember(self, now: float, ratio: float) -> None:
+        """Add a ratio to the window; one it outlasts and is not below is never its max again."""
+        while self._window and self._window[-1][1] <= ratio:
+            self._window.pop()
+        self._window.append((now, ratio))
+
+    def window_max(self, now: float) -> float:
+        """The largest ratio of the last SCALE_WINDOW_S seconds (0 when none)."""
         while self._window and now - self._window[0][0] > SCALE_WINDOW_S:
             self._window.popleft()
-        target = max(1.0, max((r for _, r in self._window), default=0.0) * GROWTH_MARGIN)
+        return self._window[0][1] if self._window else 0.0
+
+    def _decay(self, now: float) -> bool:
+        target = max(1.0, self.window_max(now) * GROWTH_MARGIN)
         if self.scale <= target:
             self._decayed_at = now
             return False

@@ -441,3 +441,17 @@ def test_a_new_limit_moves_the_budget_and_the_probe_but_never_below_what_is_prom
     assert gate.move_limit(WEIGHTS) == promised
     assert probe.limit_bytes == LIMIT + 200 * MIB - (1000 * MIB - promised)
     assert moved_budget(800, 1000, 900, 0) == 700 and moved_budget(800, 1000, 900, 750) == 750
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 30.0), st.floats(0.0, 3.0)), max_size=60))
+def test_the_scale_windows_max_is_the_largest_ratio_of_the_last_minute(
+        steps: list[tuple[float, float]]) -> None:
+    # Kept as a monotonic queue (O(1) a step): it must agree with a scan of every step.
+    tracker, now, seen = ScaleTracker(0.0), 0.0, []
+    for gap, ratio in steps:
+        now += gap
+        tracker._remember(now, ratio)
+        seen.append((now, ratio))
+        expected = max((r for t, r in seen if now - t <= SCALE_WINDOW_S), default=0.0)
+        assert tracker.window_max(now) == expected
