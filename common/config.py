@@ -321,7 +321,7 @@ class WorkerConfig:
     incarnation: int | None = opt(None, "Set by a spawning router.", hidden=True)
     parent_pipe: bool = opt(False, "Exit when stdin closes (spawned by a router).", hidden=True)
     test_wedge_after_steps: int | None = opt(
-        None, "Test only: wedge the engine loop after N steps.", hidden=True)
+        None, "Test only: wedge the engine loop after N serving steps (the warm start not counted).", hidden=True)
     test_grow_scale: float | None = opt(
         None, "Test only: SIGUSR1 grows the cost model's scale by this factor.", hidden=True)
 

@@ -196,7 +196,7 @@ class WorkerServer:
         self.publish(outputs)
         if stepped:
             self.timing.busy_s += time.perf_counter() - started
-        if self.opts.wedge_after_steps is not None and self.engine.num_steps >= self.opts.wedge_after_steps:
+        if self.opts.wedge_after_steps is not None and self.timing.steps >= self.opts.wedge_after_steps:
             self._wedge()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
