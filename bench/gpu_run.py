@@ -10,7 +10,8 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
 - ttft:   a fresh router (limit = weights + --budget-mb): time to healthy, then the time to
           first token of the first short request vs the second, a 1024-token prompt twice,
           and two batches of 8 (a fresh worker compiles kernels for each new shape).
-- memory: a tight limit (weights + --tight-budget-mb, --oom-guard abort): a burst of
+- memory: a tight limit (weights + --tight-budget-mb, or with --tight-over runtime weights +
+          the measured runtime baseline + margin + it, --oom-guard abort): a burst of
           --burst requests of ~--burst-prompt-tokens + --burst-max-tokens, all at once;
           every status and error code, restarts and the worker pid before and after,
           peak_bytes vs limit_bytes, and /v1/memory every --snapshot-s.
@@ -317,8 +318,39 @@ def _burst_summary(before: dict[str, Any], after: dict[str, Any], final: dict[st
     }
 
 
+def runtime_limit_mb(weights: int, baseline: int, budget: int) -> int:
+    """The limit (MiB) whose budget is ``budget`` bytes for a worker holding ``baseline``
+    bytes beyond ``weights`` (the worker's own rule: limit - weights - baseline - margin)."""
+    from worker.memory import safety_margin
+
+    above = budget + baseline
+    for _ in range(8):  # the margin is a share of what lies above the weights: a fixed point
+        above = budget + baseline + safety_margin(weights + above, weights)
+    return -(-(weights + above) // MIB)
+
+
+def _measured_baseline(args: argparse.Namespace) -> int:
+    """A worker's runtime baseline after its warm start (``/v1/memory`` ``baseline_bytes``),
+    from a router started under the loose limit (weights + --budget-mb)."""
+    import urllib.request
+
+    with tempfile.TemporaryDirectory(prefix="gpu-baseline-") as tmp:
+        router = start_router(args, Path(tmp), weights_mb(args.model_dir) + args.budget_mb, args.router_arg)
+        try:
+            with urllib.request.urlopen(router.url + "/v1/memory", timeout=10) as resp:
+                return int(json.loads(resp.read())["workers"][0]["baseline_bytes"])
+        finally:
+            router.stop()
+            append_log(args.out, "baseline router", router.proc.log_path)
+
+
 def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     limit_mb = weights_mb(args.model_dir) + args.tight_budget_mb
+    baseline = None
+    if args.tight_over == "runtime":  # --tight-budget-mb of *budget*: weights + baseline + margin below it
+        baseline = _measured_baseline(args)
+        weights = sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors"))
+        limit_mb = runtime_limit_mb(weights, baseline, args.tight_budget_mb * MIB)
     prompts = make_prompts(encoder(args.model_dir), "burst", args.burst, args.burst_prompt_tokens)
     extra = ["--oom-guard", "abort", "--queue-timeout", str(args.queue_timeout_s), *args.router_arg]
     with tempfile.TemporaryDirectory(prefix="gpu-memory-") as tmp:
@@ -328,7 +360,8 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             router.stop()
             append_log(args.out, "memory router", router.proc.log_path)
-    return {"limit_mb": limit_mb, "tight_budget_mb": args.tight_budget_mb, "burst": args.burst,
+    return {"limit_mb": limit_mb, "tight_budget_mb": args.tight_budget_mb, "tight_over": args.tight_over,
+            "measured_baseline_bytes": baseline, "burst": args.burst,
             "prompt_tokens": args.burst_prompt_tokens, "max_tokens": args.burst_max_tokens,
             "healthy_after_s": round(router.startup_s or 0, 2), **burst}
 
@@ -458,6 +491,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="build: the tiny shape (a CPU check)")
     p.add_argument("--budget-mb", type=int, default=16384, help="ttft, serve: limit = weights + this")
     p.add_argument("--tight-budget-mb", type=int, default=3072, help="memory: limit = weights + this")
+    p.add_argument("--tight-over", choices=("weights", "runtime"), default="weights",
+                   help="memory: 'runtime' makes --tight-budget-mb the worker's budget: a first router "
+                        "measures the runtime baseline, then limit = weights + baseline + margin + this")
     p.add_argument("--burst", type=int, default=32)
     p.add_argument("--burst-prompt-tokens", type=int, default=1000)
     p.add_argument("--burst-max-tokens", type=int, default=200)

@@ -1,0 +1,26 @@
+"""bench/gpu_run.py's arithmetic for the runtime-based tight limit (the GPU runs themselves
+happen on the lent machine, never in CI)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.gpu_run import MIB, make_parser, runtime_limit_mb
+from worker.memory import safety_margin
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1 << 20, 64 << 30), st.integers(0, 4 << 30), st.integers(16 << 20, 16 << 30))
+def test_the_runtime_limit_gives_the_worker_the_asked_budget(weights: int, baseline: int, budget: int) -> None:
+    # The worker's own rule: budget = limit - weights - baseline - margin. The limit is in
+    # whole MiB (rounded up), so the budget lands within a MiB above the one asked for.
+    limit = runtime_limit_mb(weights, baseline, budget) * MIB
+    got = limit - weights - baseline - safety_margin(limit, weights)
+    assert budget <= got < budget + MIB
+
+
+def test_tight_over_defaults_to_the_weights() -> None:
+    args = make_parser().parse_args(["memory"])
+    assert args.tight_over == "weights"
+    assert make_parser().parse_args(["memory", "--tight-over", "runtime"]).tight_over == "runtime"
