@@ -183,18 +183,25 @@ function renderModels(s) {
 
 function renderCache(s) {
   const target = $("prompt-cache");
-  const cache = s.workers.map(w => w.prompt_cache).find(c => c);
-  if (!cache) { target.textContent = "not reported by this worker"; target.className = "muted"; return; }
-  const list = document.createElement("dl");
-  const add = (prefix, obj) => {
-    for (const [k, v] of Object.entries(obj)) {
-      if (v !== null && typeof v === "object") { add(prefix + k + ".", v); continue; }
-      list.append(el("dt", prefix + k), el("dd", k.endsWith("_bytes") ? bytes(v) : v));
-    }
-  };
-  add("", cache);
-  target.className = "";
-  target.replaceChildren(list);
+  // Every worker keeps its own cache: one list each, side by side, named when there are several.
+  const reporting = s.workers.filter(w => w.prompt_cache);
+  if (!reporting.length) { target.textContent = "not reported by this worker"; target.className = "muted"; return; }
+  const blocks = reporting.map(w => {
+    const list = document.createElement("dl");
+    const add = (prefix, obj) => {
+      for (const [k, v] of Object.entries(obj)) {
+        if (v !== null && typeof v === "object") { add(prefix + k + ".", v); continue; }
+        list.append(el("dt", prefix + k), el("dd", k === "bytes" || k.endsWith("_bytes") ? bytes(v) : v));
+      }
+    };
+    add("", w.prompt_cache);
+    const block = document.createElement("div");
+    if (reporting.length > 1) block.append(el("h3", `${w.model || "–"} · pid ${w.pid ?? "–"}`, "cache-worker"));
+    block.append(list);
+    return block;
+  });
+  target.className = "cache-blocks";
+  target.replaceChildren(...blocks);
 }
 
 function renderRejections(s) {

@@ -6,12 +6,14 @@ import concurrent.futures
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
 
 from tests.conftest import wait_until
 from tests.integration.conftest import NO_EOS, Router
+from tests.integration.test_status import chromium
 
 LOAD_S = 90.0
 
@@ -30,7 +32,7 @@ def more_chunks(stream: Any, n: int) -> str:
         return "error"
 
 
-def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., Router]) -> None:
+def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., Router], tmp_path: Path) -> None:
     router = fresh_router("--replicas", "2", "--max-running-requests", "2")
     wait_until(lambda: ready_workers(router), LOAD_S, "two ready workers", on_fail=router.log)
     client = router.client()
@@ -56,4 +58,9 @@ def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., R
         for future in queued:  # not lost: served by the survivor or the restarted worker
             r = future.result(timeout=LOAD_S)
             assert r.usage is not None and r.usage.completion_tokens == 4
-    wait_until(lambda: ready_workers(router), LOAD_S, "the killed replica back", on_fail=router.log)
+    workers = wait_until(lambda: ready_workers(router), LOAD_S, "the killed replica back", on_fail=router.log)
+    # The status page shows each worker's own prompt cache, under its model and pid.
+    page = chromium(tmp_path, "--dump-dom", router.url + "/")
+    assert page.returncode == 0, page.stderr[-2000:]
+    for w in workers:
+        assert f'class="cache-worker">demo · pid {w["pid"]}</h3>' in page.stdout, page.stdout[-3000:]

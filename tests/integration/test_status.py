@@ -185,13 +185,16 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_page_in_headless_chromium(router: Router, tmp_path: Path) -> None:
     pid = router.worker()["pid"]
-    wait_until(lambda: len(status(router)["history"]) >= 2, 10, "two samples in /status")
+    # Two samples with memory: alone on a fresh router, the first ones precede the worker's report.
+    wait_until(lambda: len([h for h in status(router)["history"] if h["active_bytes"] is not None]) >= 2,
+               10, "two memory samples in /status")
     shot = tmp_path / "status-page.png"
     done = chromium(tmp_path, "--dump-dom", f"--screenshot={shot}", router.url + "/")
     dom = done.stdout
     assert done.returncode == 0 and "</html>" in dom, done.stderr[-2000:]
     assert f'data-field="pid">{pid}<' in dom
     assert re.search(r'id="models-panel"[^>]*hidden', dom), "one model: no models table"
+    assert "<dt>hits</dt>" in dom and "cache-worker" not in dom, "one worker's cache, unnamed"
     points = re.search(r'id="mem-chart"[^>]*data-points="(\d+)"', dom)
     assert points and int(points.group(1)) >= 2, dom[:4000]
     assert dom.count("<polyline") >= 4 and 'class="badge ok"' in dom
