@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -78,6 +79,43 @@ def test_stream_ends_with_error_and_worker_restarts(survivor: Router, sig: signa
     assert worker["last_exit"]["signal"] == sig.name
     r = router.client().completions.create(model="m", prompt="Back?", max_tokens=4, extra_body=NO_EOS)
     assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+def test_a_lost_worker_ends_messages_and_responses_streams_in_their_own_shapes(survivor: Router) -> None:
+    """Claude Code and Codex see a worker's death as their API's own retryable error, not a
+    cut connection: an Anthropic ``error`` event (overloaded_error), and a Responses
+    ``error`` event then ``response.failed`` carrying the code."""
+    router = survivor
+    pid = router.worker()["pid"]
+    messages = [{"role": "user", "content": "Keep talking until the Messages stream dies."}]
+    with anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0, timeout=60.0) as claude:
+        events = iter(claude.messages.create(model="claude-sonnet-4-5", max_tokens=3000, messages=messages,
+                                             stream=True, extra_body={"temperature": 0}))  # type: ignore[arg-type]
+        assert [next(events).type for _ in range(3)][0] == "message_start"
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(anthropic.APIStatusError) as info:
+            for _ in events:
+                assert time.monotonic() - started < STREAM_END_S, "the stream did not end"
+    assert info.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert "worker" in info.value.body["error"]["message"]  # type: ignore[index]
+    pid = wait_restarted(router, pid)["pid"]
+
+    stream = router.client().responses.create(
+        model="gpt-5-codex", input="Keep talking until the Responses stream dies.", max_output_tokens=3000,
+        temperature=0, stream=True, store=False)
+    events = iter(stream)
+    assert [next(events).type for _ in range(3)][0] == "response.created"
+    os.kill(pid, signal.SIGKILL)
+    started, tail = time.monotonic(), []
+    for event in events:
+        tail.append(event)
+        assert time.monotonic() - started < STREAM_END_S, "the stream did not end"
+    kinds = [e.type for e in tail]
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
+    failed = tail[-1].response  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "worker_lost"
+    wait_restarted(router, pid)
 
 
 def test_queued_requests_survive_a_worker_death(fresh_router: Callable[..., Router]) -> None:
