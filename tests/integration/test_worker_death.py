@@ -81,11 +81,13 @@ def test_stream_ends_with_error_and_worker_restarts(survivor: Router, sig: signa
     assert r.usage is not None and r.usage.completion_tokens == 4
 
 
-def test_a_lost_worker_ends_messages_and_responses_streams_in_their_own_shapes(survivor: Router) -> None:
+def test_a_lost_worker_ends_messages_and_responses_streams_in_their_own_shapes(
+        fresh_router: Callable[..., Router]) -> None:
     """Claude Code and Codex see a worker's death as their API's own retryable error, not a
     cut connection: an Anthropic ``error`` event (overloaded_error), and a Responses
-    ``error`` event then ``response.failed`` carrying the code."""
-    router = survivor
+    ``error`` event then ``response.failed`` carrying the code. Its own router: two more
+    deaths on the shared one would make its supervisor give up (deaths in a window)."""
+    router = fresh_router()
     pid = router.worker()["pid"]
     messages = [{"role": "user", "content": "Keep talking until the Messages stream dies."}]
     with anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0, timeout=60.0) as claude:
