@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -195,3 +196,24 @@ def test_forced_output_after_an_opened_thought(client: openai.OpenAI) -> None:
                              stream=True))
     assert streamed["finish"] == "stop" and streamed["reasoning"] == ""
     jsonschema.validate(json.loads(streamed["content"]), PERSON)
+
+
+def test_json_object_is_enforced(client: openai.OpenAI, cache_home: Path) -> None:
+    # A logit bias that alone would make the answer start with "}" (not JSON); the
+    # json_object grammar must open the object first, and the bias then closes it.
+    from tokenizers import Tokenizer
+
+    from worker.demo import demo_folder
+
+    tok = Tokenizer.from_file(str(demo_folder(cache_home / "mlx-headroom") / "tokenizer.json"))
+    close = tok.token_to_id("}")
+    assert close is not None
+    bias = {"logit_bias": {str(close): 100}}
+    free = chat(client, temperature=0, max_tokens=4, extra_body=bias)
+    assert free.choices[0].message.content.startswith("}")
+    for stream in (False, True):
+        r = chat(client, temperature=0, max_tokens=64, response_format={"type": "json_object"},
+                 extra_body=bias, stream=stream)
+        content, finish = ((s := assemble(r))["content"], s["finish"]) if stream else \
+            (r.choices[0].message.content, r.choices[0].finish_reason)
+        assert finish == "stop" and isinstance(json.loads(content), dict), content
