@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ CAUGHT_ERROR_WINDOW_S = 60.0
 # so early outliers (kernel compilation, allocator warm-up) do not shrink capacity for the
 # worker's life, and a recent overshoot keeps its protection for the whole window.
 SCALE_WINDOW_S = 60.0
+# Pressure that comes and goes (on the H200 a tight limit flipped it every 0.3-2 s, with
+# nothing stopped) is logged at WARNING at most this often; the lines between are DEBUG and
+# counted into the next WARNING, and every change is counted in the status report.
+PRESSURE_LOG_QUIET_S = 30.0
 SCALE_HALF_LIFE_S = 20.0
 SCALE_STEP = 0.02
 # Scale changes kept for /v1/memory.
@@ -241,6 +246,9 @@ class MemoryGate:
         self.max_running = max_running
         self.tracker = ScaleTracker(now)
         self.under_pressure = False
+        self.pressure_changes = 0           # began / ended / held-with-eviction, ever
+        self._pressure_logged_at = -math.inf
+        self._pressure_unlogged = 0
         self._caught_errors: list[float] = []
         memory.model = self.fitted
         self.bound_pool()
@@ -356,7 +364,7 @@ class MemoryGate:
                 chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
         return chunk
 
-    def pressure(self, view: EngineView, chunk_tokens: int) -> PressureAction:
+    def pressure(self, view: EngineView, chunk_tokens: int, now: float = 0.0) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
         if not self.admission or not view.rows:
             self.under_pressure = False
@@ -380,16 +388,30 @@ class MemoryGate:
             if self.cache.evict(max(shortage, 1), "pressure") > 0:
                 return PressureAction(admit=not self.under_pressure, chunk_tokens=chunk_tokens, evict=0)
         if action.admit != (not self.under_pressure) or action.evict:
-            r = mem.last
-            log.warning("memory pressure %s: headroom %d B, reserved %d B, allocated %d B "
-                        "(active %d B, cache %d B, device footprint %d B, device free %d B)%s",
-                        "ended" if action.admit else "began" if not self.under_pressure else "held",
-                        mem.headroom_bytes(), mem.reserved_bytes, allocated,
-                        r.active_bytes if r else 0, r.cache_bytes if r else 0,
-                        r.footprint_bytes if r else 0, r.system_available_bytes if r else 0,
-                        f"; stopping the {action.evict} newest" if action.evict else "")
+            self._log_pressure(action, allocated, now)
         self.under_pressure = not action.admit
         return action
+
+    def _log_pressure(self, action: PressureAction, allocated: int, now: float) -> None:
+        """A change of pressure: WARNING, unless one was logged in the last
+        PRESSURE_LOG_QUIET_S (an eviction always is); the ones between are counted in."""
+        self.pressure_changes += 1
+        loud = bool(action.evict) or now - self._pressure_logged_at >= PRESSURE_LOG_QUIET_S
+        if not loud:
+            self._pressure_unlogged += 1
+        mem, r = self.memory, self.memory.last
+        log.log(logging.WARNING if loud else logging.DEBUG,
+                "memory pressure %s: headroom %d B, reserved %d B, allocated %d B "
+                "(active %d B, cache %d B, device footprint %d B, device free %d B)%s%s",
+                "ended" if action.admit else "began" if not self.under_pressure else "held",
+                mem.headroom_bytes(), mem.reserved_bytes, allocated,
+                r.active_bytes if r else 0, r.cache_bytes if r else 0,
+                r.footprint_bytes if r else 0, r.system_available_bytes if r else 0,
+                f"; stopping the {action.evict} newest" if action.evict else "",
+                f"; {self._pressure_unlogged} more changes since the last such line"
+                if loud and self._pressure_unlogged else "")
+        if loud:
+            self._pressure_logged_at, self._pressure_unlogged = now, 0
 
     def _pressure_now(self, view: EngineView, chunk_tokens: int) -> tuple[PressureAction, int]:
         mem = self.memory
@@ -472,4 +494,5 @@ class MemoryGate:
     def scale_report(self, now: float) -> dict[str, Any]:
         """The scale and its recent changes, each as [seconds ago, scale, why]."""
         return {"scale": round(self.tracker.scale, 4),
-                "scale_history": [[round(now - c.at, 1), c.scale, c.why] for c in self.tracker.history]}
+                "scale_history": [[round(now - c.at, 1), c.scale, c.why] for c in self.tracker.history],
+                "pressure_changes": self.pressure_changes}

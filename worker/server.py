@@ -339,7 +339,7 @@ class WorkerServer:
     def relieve_pressure(self) -> list[Output]:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict
         (with nothing running the gate reports no pressure and nothing happens)."""
-        action = self.gate.pressure(self.view(), self.chunk_tokens)
+        action = self.gate.pressure(self.view(), self.chunk_tokens, self.clock())
         if not action.admit:
             self.engine.set_prefill_step(action.chunk_tokens)
             self.chunk_tokens = action.chunk_tokens

@@ -6,6 +6,7 @@ No MLX, no sockets: a ``FakeProbe`` stands for the device, ``now`` for the clock
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -142,6 +143,25 @@ def test_pressure_stops_admitting_then_evicts_only_if_needed() -> None:
     gate.rebase(view(4000))
     action = gate.pressure(view(4000), chunk_tokens=512)
     assert action.admit and not gate.under_pressure
+
+
+def test_pressure_that_comes_and_goes_is_logged_loudly_at_most_every_quiet_period(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # As on the H200 under a tight limit: in and out of pressure every second, nothing stopped.
+    gate, probe = make_gate()
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    caplog.set_level(logging.DEBUG, logger="worker.gate")
+    for t in range(0, 40, 2):  # 40 s: a change every second
+        probe.system_available_bytes = 100 * MIB
+        assert not gate.pressure(view(4000), 512, now=float(t)).admit
+        probe.system_available_bytes = 1 << 40
+        assert gate.pressure(view(4000), 512, now=t + 1.0).admit
+    lines = [r for r in caplog.records if "memory pressure" in r.getMessage()]
+    loud = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+    assert len(lines) == 40 and gate.pressure_changes == 40
+    assert len(loud) == 2 and "began" in loud[0]                    # at 0 s and at 30 s
+    assert "29 more changes since the last such line" in loud[1]
+    assert gate.scale_report(now=40.0)["pressure_changes"] == 40
 
 
 def test_mlx_buffer_cache_may_keep_only_what_nobody_was_promised() -> None:
