@@ -329,16 +329,17 @@ def runtime_limit_mb(weights: int, baseline: int, budget: int) -> int:
     return -(-(weights + above) // MIB)
 
 
-def _measured_baseline(args: argparse.Namespace) -> int:
-    """A worker's runtime baseline after its warm start (``/v1/memory`` ``baseline_bytes``),
-    from a router started under the loose limit (weights + --budget-mb)."""
+def _measured_baseline(args: argparse.Namespace) -> tuple[int, int]:
+    """(weights, runtime baseline) in bytes as a worker counts them after its warm start
+    (``/v1/memory``), from a router started under the loose limit (weights + --budget-mb)."""
     import urllib.request
 
     with tempfile.TemporaryDirectory(prefix="gpu-baseline-") as tmp:
         router = start_router(args, Path(tmp), weights_mb(args.model_dir) + args.budget_mb, args.router_arg)
         try:
             with urllib.request.urlopen(router.url + "/v1/memory", timeout=10) as resp:
-                return int(json.loads(resp.read())["workers"][0]["baseline_bytes"])
+                report = json.loads(resp.read())["workers"][0]
+            return int(report["weights_bytes"]), int(report["baseline_bytes"])
         finally:
             router.stop()
             append_log(args.out, "baseline router", router.proc.log_path)
@@ -348,8 +349,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     limit_mb = weights_mb(args.model_dir) + args.tight_budget_mb
     baseline = None
     if args.tight_over == "runtime":  # --tight-budget-mb of *budget*: weights + baseline + margin below it
-        baseline = _measured_baseline(args)
-        weights = sum(f.stat().st_size for f in args.model_dir.glob("*.safetensors"))
+        weights, baseline = _measured_baseline(args)  # the worker's own figures, not file sizes
         limit_mb = runtime_limit_mb(weights, baseline, args.tight_budget_mb * MIB)
     prompts = make_prompts(encoder(args.model_dir), "burst", args.burst, args.burst_prompt_tokens)
     extra = ["--oom-guard", "abort", "--queue-timeout", str(args.queue_timeout_s), *args.router_arg]
@@ -395,7 +395,7 @@ def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes]
     exe = shutil.which("py-spy")
     if exe is None or pid is None:
         return None
-    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "250",
                              "--format", "raw", "--nonblocking", "-o", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -412,11 +412,12 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
             spies = [_spy(router.worker_pid, args.out / "profile-worker.txt", args.profile_s),
                      _spy(router.proc.popen.pid if router.proc.popen else None,
                           args.out / "profile-router.txt", args.profile_s)]
-            results = asyncio.run(_one_at_a_time(router.url, prompts[3:], args.profile_max_tokens,
-                                                 args.profile_s))
-            after = _loop_of(router.url)
-            out["py_spy"] = [None if spy is None else spy.communicate(timeout=60)[1].decode(errors="replace")[-300:]
-                             for spy in spies]  # its last words: the sample count, or why not
+            try:
+                results = asyncio.run(_one_at_a_time(router.url, prompts[3:], args.profile_max_tokens,
+                                                     args.profile_s))
+                after = _loop_of(router.url)
+            finally:
+                out["py_spy"] = [_spy_done(spy) for spy in spies]
             out["headroom"] = _gaps_ms(results)
             steps = after.get("steps", 0) - before.get("steps", 0)
             if steps > 0:
@@ -429,6 +430,8 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             router.stop()
             append_log(args.out, "profile router", router.proc.log_path)
+    if not used:
+        return out
     from bench.inprocess import InProcess
 
     engine = InProcess(args.model_dir)
@@ -442,6 +445,18 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     if "itl_mean_ms" in out["headroom"] and "itl_mean_ms" in out["inprocess"]:
         out["itl_mean_added_us"] = round((out["headroom"]["itl_mean_ms"] - out["inprocess"]["itl_mean_ms"]) * 1e3, 1)
     return out
+
+
+def _spy_done(spy: subprocess.Popen[bytes] | None) -> str | None:
+    """py-spy's last words (the sample count, or why it could not sample); never left running."""
+    if spy is None:
+        return None
+    try:
+        _, err = spy.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        _, err = spy.communicate()
+    return err.decode(errors="replace")[-300:]
 
 
 def _loop_of(url: str) -> dict[str, Any]:

@@ -249,6 +249,7 @@ class MemoryGate:
         self.pressure_changes = 0           # began / ended / held-with-eviction, ever
         self._pressure_logged_at = -math.inf
         self._pressure_unlogged = 0
+        self._pressure_open = False         # the last WARNING said "began" or "held"
         self._caught_errors: list[float] = []
         memory.model = self.fitted
         self.bound_pool()
@@ -364,11 +365,14 @@ class MemoryGate:
                 chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
         return chunk
 
-    def pressure(self, view: EngineView, chunk_tokens: int, now: float = 0.0) -> PressureAction:
+    def pressure(self, view: EngineView, chunk_tokens: int, now: float) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
         if not self.admission or not view.rows:
+            ended = PressureAction(admit=True, chunk_tokens=chunk_tokens, evict=0)
+            if self.under_pressure:  # the last rows left: that ends it too
+                self._log_pressure(ended, 0, now)
             self.under_pressure = False
-            return PressureAction(admit=True, chunk_tokens=chunk_tokens, evict=0)
+            return ended
         mem = self.memory
         action, allocated = self._pressure_now(view, chunk_tokens)
         if not action.admit:
@@ -394,9 +398,11 @@ class MemoryGate:
 
     def _log_pressure(self, action: PressureAction, allocated: int, now: float) -> None:
         """A change of pressure: WARNING, unless one was logged in the last
-        PRESSURE_LOG_QUIET_S (an eviction always is); the ones between are counted in."""
+        PRESSURE_LOG_QUIET_S (an eviction always is, and so is the end of a pressure whose
+        start was, so the log never leaves one open); the ones between are counted in."""
         self.pressure_changes += 1
-        loud = bool(action.evict) or now - self._pressure_logged_at >= PRESSURE_LOG_QUIET_S
+        loud = (bool(action.evict) or now - self._pressure_logged_at >= PRESSURE_LOG_QUIET_S
+                or (action.admit and self._pressure_open))
         if not loud:
             self._pressure_unlogged += 1
         mem, r = self.memory, self.memory.last
@@ -412,6 +418,7 @@ class MemoryGate:
                 if loud and self._pressure_unlogged else "")
         if loud:
             self._pressure_logged_at, self._pressure_unlogged = now, 0
+            self._pressure_open = not action.admit
 
     def _pressure_now(self, view: EngineView, chunk_tokens: int) -> tuple[PressureAction, int]:
         mem = self.memory

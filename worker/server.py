@@ -216,8 +216,10 @@ class WorkerServer:
         grace = 0 if self._broken or self.stop_reason == "router gone" else SHUTDOWN_GRACE_S
         deadline = time.monotonic() + grace
         while self.engine.has_work and time.monotonic() < deadline:
+            started = time.perf_counter()
             self.receive(timeout_ms=0)
             self.publish(self.step())
+            self.timing.busy_s += time.perf_counter() - started
         failed = [] if self._broken else self.engine.cancel_all()
         if failed:
             self.send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
@@ -230,7 +232,7 @@ class WorkerServer:
         return self.exit_code
 
     def _wedge(self) -> None:
-        log.warning("test flag: wedging the engine loop after %d steps", self.engine.num_steps)
+        log.warning("test flag: wedging the engine loop after %d serving steps", self.timing.steps)
         while True:  # a deliberately hung loop; only a signal ends it
             time.sleep(1)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from common import costmodel
 from common.costmodel import CostModel
 from common.protocol import SamplingParams
+from worker.calibrate import FIT_MARGIN
 from worker.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,14 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
 
     A part is skipped when it would not fit the memory budget, or when the prefill speed
     measured so far says it would not finish within the time left. ``holdout_ratio`` is the
-    calibration's measured/predicted on steps its fit never saw: the warm start runs before
-    any step has been measured (so before the gate's scale can grow) and without the OOM
-    guard's eye, so it sizes its steps by a model that much larger (on the H200, a warm-up
-    prompt sized to the plain fit peaked 0.3 % above the limit; held-out ratio 1.76).
+    calibration's measured/predicted on steps its first fit never saw: the warm start runs
+    before any step has been measured (so before the gate's scale can grow) and without the
+    OOM guard's eye, so it sizes its steps by a model that much larger, less the margin the
+    applied fit already carries (on the H200, a warm-up prompt sized to the plain fit peaked
+    0.3 % above the limit; held-out ratio 1.76).
     """
-    if holdout_ratio > 1.0:
-        model = dataclasses.replace(model, scale=model.scale * holdout_ratio)
+    if holdout_ratio > FIT_MARGIN:
+        model = dataclasses.replace(model, scale=model.scale * holdout_ratio / FIT_MARGIN)
     started = clock()
     report = WarmupReport()
     token = min(17, max(vocab_size - 1, 0))

@@ -92,7 +92,7 @@ def test_a_lost_worker_ends_messages_and_responses_streams_in_their_own_shapes(
     messages = [{"role": "user", "content": "Keep talking until the Messages stream dies."}]
     with anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0, timeout=60.0) as claude:
         events = iter(claude.messages.create(model="claude-sonnet-4-5", max_tokens=3000, messages=messages,
-                                             stream=True, extra_body={"temperature": 0}))  # type: ignore[arg-type]
+                                             stream=True, extra_body={"temperature": 0, "ignore_eos": True}))  # type: ignore[arg-type]
         assert [next(events).type for _ in range(3)][0] == "message_start"
         os.kill(pid, signal.SIGKILL)
         started = time.monotonic()
@@ -105,7 +105,7 @@ def test_a_lost_worker_ends_messages_and_responses_streams_in_their_own_shapes(
 
     stream = router.client().responses.create(
         model="gpt-5-codex", input="Keep talking until the Responses stream dies.", max_output_tokens=3000,
-        temperature=0, stream=True, store=False)
+        temperature=0, stream=True, store=False, extra_body={"ignore_eos": True})
     events = iter(stream)
     assert [next(events).type for _ in range(3)][0] == "response.created"
     os.kill(pid, signal.SIGKILL)

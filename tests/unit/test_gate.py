@@ -136,12 +136,12 @@ def test_pressure_stops_admitting_then_evicts_only_if_needed() -> None:
     d = gate.can_admit(view(), 3000, 1000)
     gate.reserve(d)
     probe.system_available_bytes = 1 * MIB  # another app took nearly everything
-    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512, now=0.0)
     assert not action.admit and gate.under_pressure
     assert action.chunk_tokens <= 512 and action.evict >= 1
     probe.system_available_bytes = 1 << 40  # it gave the memory back
     gate.rebase(view(4000))
-    action = gate.pressure(view(4000), chunk_tokens=512)
+    action = gate.pressure(view(4000), chunk_tokens=512, now=0.0)
     assert action.admit and not gate.under_pressure
 
 
@@ -157,11 +157,21 @@ def test_pressure_that_comes_and_goes_is_logged_loudly_at_most_every_quiet_perio
         probe.system_available_bytes = 1 << 40
         assert gate.pressure(view(4000), 512, now=t + 1.0).admit
     lines = [r for r in caplog.records if "memory pressure" in r.getMessage()]
-    loud = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+    loud = [r.getMessage().split(":")[0] for r in lines if r.levelno == logging.WARNING]
     assert len(lines) == 40 and gate.pressure_changes == 40
-    assert len(loud) == 2 and "began" in loud[0]                    # at 0 s and at 30 s
-    assert "29 more changes since the last such line" in loud[1]
+    # At 0 s, its end at 1 s (a loud start always gets its end), then at 31 s, the first
+    # change 30 s after the last loud line, with the count of those between.
+    assert loud == ["memory pressure began", "memory pressure ended", "memory pressure ended"]
+    assert "29 more changes since the last such line" in [
+        r.getMessage() for r in lines if r.levelno == logging.WARNING][2]
     assert gate.scale_report(now=40.0)["pressure_changes"] == 40
+    # The last rows leaving ends a pressure too: counted, and logged since its start was.
+    probe.system_available_bytes = 100 * MIB
+    gate.pressure(view(4000), 512, now=100.0)
+    caplog.clear()
+    assert gate.pressure(view(), 512, now=101.0).admit and not gate.under_pressure
+    assert gate.pressure_changes == 42
+    assert [r.levelno for r in caplog.records if "memory pressure ended" in r.getMessage()] == [logging.WARNING]
 
 
 def test_mlx_buffer_cache_may_keep_only_what_nobody_was_promised() -> None:
@@ -200,11 +210,11 @@ def test_pressure_is_judged_on_a_fresh_reading_never_a_stale_one() -> None:
     gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
     gate.reserve(gate.can_admit(view(), 3000, 1000))
     probe.seen_available = 1 * MIB           # the last slow read, made mid-transient
-    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512, now=0.0)
     assert probe.invalidated == 1            # read again before acting
     assert action.admit and action.evict == 0 and not gate.under_pressure
     probe.system_available_bytes = probe.seen_available = 1 * MIB  # now another app really took it
-    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512)
+    action = gate.pressure(view(4000, 4000, 4000), chunk_tokens=512, now=0.0)
     assert not action.admit and action.evict >= 1
 
 
@@ -400,13 +410,13 @@ def test_under_pressure_cached_prompts_go_before_the_chunk_or_any_request() -> N
     running = view(3000, 3000, prefilling=1)
     gate.memory.reserved_bytes = costmodel.batch_cost_bytes(gate.model, 2, 3000, 512, 1, 3000)
     probe.system_available_bytes = gate.memory.reserved_bytes - 200 * MIB  # another process took it
-    action = gate.pressure(running, 512)
+    action = gate.pressure(running, 512, now=0.0)
     assert action.evict == 0 and action.chunk_tokens == 512
     assert cache.evicted and {r for _, r in cache.evicted} == {"pressure"}
-    assert gate.pressure(running, 512).admit, "the entries given back covered the shortage"
+    assert gate.pressure(running, 512, now=0.0).admit, "the entries given back covered the shortage"
     # Nothing left to give back: now the chunk shrinks, then requests are stopped.
     probe.system_available_bytes = 50 * MIB
-    action = gate.pressure(running, 512)
+    action = gate.pressure(running, 512, now=0.0)
     assert not action.admit and (action.chunk_tokens < 512 or action.evict > 0)
 
 
