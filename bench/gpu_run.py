@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 
 from bench.client import one_request, request_body
+from bench.metrics import percentile
 from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
@@ -332,13 +333,10 @@ def runtime_limit_mb(weights: int, baseline: int, budget: int) -> int:
 def _measured_baseline(args: argparse.Namespace) -> tuple[int, int]:
     """(weights, runtime baseline) in bytes as a worker counts them after its warm start
     (``/v1/memory``), from a router started under the loose limit (weights + --budget-mb)."""
-    import urllib.request
-
     with tempfile.TemporaryDirectory(prefix="gpu-baseline-") as tmp:
         router = start_router(args, Path(tmp), weights_mb(args.model_dir) + args.budget_mb, args.router_arg)
         try:
-            with urllib.request.urlopen(router.url + "/v1/memory", timeout=10) as resp:
-                report = json.loads(resp.read())["workers"][0]
+            report = _worker_report(router.url)
             return int(report["weights_bytes"]), int(report["baseline_bytes"])
         finally:
             router.stop()
@@ -381,12 +379,13 @@ async def _one_at_a_time(url: str, prompts: list[Prompt], max_tokens: int, secon
 
 
 def _gaps_ms(results: list[Any]) -> dict[str, Any]:
-    gaps = sorted(g * 1e3 for r in results if r.ok for g in r.itls_s)
+    ok = [r for r in results if r.ok]
+    gaps = [g * 1e3 for r in ok for g in r.itls_s]
     if not gaps:
         return {"requests": len(results), "errors": [r.error for r in results if r.error][:3]}
-    return {"requests": len(results), "ok": sum(r.ok for r in results), "gaps": len(gaps),
-            "itl_p50_ms": round(gaps[len(gaps) // 2], 3), "itl_mean_ms": round(sum(gaps) / len(gaps), 3),
-            "ttft_p50_ms": round(sorted(r.ttft_s for r in results if r.ok)[sum(r.ok for r in results) // 2] * 1e3, 2)}
+    return {"requests": len(results), "ok": len(ok), "gaps": len(gaps),
+            "itl_p50_ms": round(percentile(gaps, 50), 3), "itl_mean_ms": round(sum(gaps) / len(gaps), 3),
+            "ttft_p50_ms": round(percentile([r.ttft_s * 1e3 for r in ok], 50), 2)}
 
 
 def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
@@ -459,13 +458,18 @@ def _spy_done(spy: subprocess.Popen[bytes] | None) -> str | None:
     return err.decode(errors="replace")[-300:]
 
 
-def _loop_of(url: str) -> dict[str, Any]:
+def _worker_report(url: str) -> dict[str, Any]:
+    """The first worker's latest memory report in ``/v1/memory`` ({} when none)."""
     import urllib.request
 
-    time.sleep(SNAPSHOT_SETTLE_S)  # the worker publishes its status every 0.25 s
     with urllib.request.urlopen(url + "/v1/memory", timeout=10) as resp:
         workers = json.loads(resp.read()).get("workers") or [{}]
-    return dict(workers[0].get("loop") or {})
+    return dict(workers[0])
+
+
+def _loop_of(url: str) -> dict[str, Any]:
+    time.sleep(SNAPSHOT_SETTLE_S)  # the worker publishes its status every 0.25 s
+    return dict(_worker_report(url).get("loop") or {})
 
 
 # --- serve ------------------------------------------------------------------------------
