@@ -196,8 +196,12 @@ async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_token
     out: dict[str, Any] = {}
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        # Then prompts of lengths no request had before (640, 1536): whether a new shape
+        # pays for kernels on a warm worker, or only the first prompt of a fresh one.
+        others = [make_prompts(encode, f"ttft-len{n}", 1, n)[0] for n in (640, 1536)]
         for name, prompt in [("short_1", shorts[0]), ("short_2", shorts[1]),
-                             ("long_1", longs[0]), ("long_2", longs[1])]:
+                             ("long_1", longs[0]), ("long_2", longs[1]),
+                             ("len640", others[0]), ("len1536", others[1])]:
             r = await one_request(session, target, body(prompt), max_tokens)
             out[name] = {"ttft_ms": _ms(r.ttft_s), "latency_ms": _ms(r.latency_s), "error": r.error,
                          "prompt_tokens": len(prompt.token_ids)}

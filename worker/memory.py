@@ -154,10 +154,11 @@ class FakeProbe:
     cleared: int = 0
     invalidated: int = 0
     pool_limit: int | None = None
+    footprint_bytes: int = 0
 
     def read(self) -> Reading:
         self.peak_bytes = max(self.peak_bytes, self.active_bytes + self.cache_bytes)
-        return Reading(self.active_bytes, self.cache_bytes, self.peak_bytes, 0,
+        return Reading(self.active_bytes, self.cache_bytes, self.peak_bytes, self.footprint_bytes,
                        self.system_available_bytes)
 
     def step_peak(self) -> int:
@@ -262,6 +263,10 @@ class MemoryState:
     # holds what MLX never counts, e.g. a CUDA context): what allocations are measured from.
     active_baseline_bytes: int | None = None
     reserved_bytes: int = 0
+    # What the runtime holds beyond MLX's count and the idle baseline while steps run
+    # (``runtime_excess``), learned in service and set aside from the budget: the process's
+    # own memory, never another process's, so it is charged, not treated as pressure.
+    runtime_bytes: int = 0
     worst_measured_over_predicted: float = 0.0
     last: Reading | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -272,13 +277,35 @@ class MemoryState:
         extra = self.baseline_bytes if self.active_baseline_bytes is None else self.active_baseline_bytes
         return self.weights_bytes + extra
 
+    @property
+    def outside_bytes(self) -> int:
+        """The idle baseline MLX's allocator does not count (on CUDA: the context, loaded
+        kernels, library workspaces)."""
+        if self.active_baseline_bytes is None:
+            return 0
+        return max(0, self.baseline_bytes - self.active_baseline_bytes)
+
     def refresh(self) -> Reading:
         self.last = self.probe.read()
         return self.last
 
+    def used_bytes(self, r: Reading) -> int:
+        # The runtime's learned excess is set aside from the budget, so it is not used
+        # memory that anything promised could be short of.
+        return max(r.active_bytes + r.cache_bytes, r.footprint_bytes - self.runtime_bytes)
+
+    def runtime_excess(self, r: Reading) -> int:
+        """What the process holds (its device footprint) beyond MLX's active and cache
+        bytes, the idle baseline outside MLX and what was already set aside (0 where the
+        probe reads no footprint, as on Linux's CPU backend)."""
+        if not r.footprint_bytes:
+            return 0
+        return max(0, r.footprint_bytes - self.runtime_bytes - r.active_bytes - r.cache_bytes
+                   - self.outside_bytes)
+
     def headroom_bytes(self) -> int:
         r = self.last or self.refresh()
-        return max(0, min(self.probe.limit_bytes - r.used_bytes, r.system_available_bytes))
+        return max(0, min(self.probe.limit_bytes - self.used_bytes(r), r.system_available_bytes))
 
     def report(self, *, running: int, max_running: int) -> dict[str, Any]:
         """The Status report: DESIGN's /v1/memory fields, plus the cost model."""
@@ -295,6 +322,7 @@ class MemoryState:
             "reserved_bytes": self.reserved_bytes,
             "weights_bytes": self.weights_bytes,
             "baseline_bytes": self.baseline_bytes,
+            "runtime_transient_bytes": self.runtime_bytes,
             "kv_bytes_per_token": self.model.kv_bytes_per_token,
             "safe_prefill_chunk": self.model.prefill_step_tokens,
             "max_running_requests": max_running,

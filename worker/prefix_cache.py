@@ -63,6 +63,7 @@ class DiskTier(Protocol):
 
     def put(self, tokens: Sequence[int], cache: list[Any]) -> str | None: ...
     def pending_keys(self) -> frozenset[str]: ...
+    def engine_busy(self, busy: bool) -> None: ...
     def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None: ...
     def entry_bytes(self, key: str) -> int: ...
     def load(self, key: str, tokens: int) -> list[Any] | None: ...
@@ -170,6 +171,11 @@ class PrefixCache:
         self.evictions: dict[str, int] = {}
         # Entries gone from RAM whose disk write is queued: key -> bytes it keeps alive.
         self._spilled: dict[str, int] = {}
+
+    def engine_busy(self, busy: bool) -> None:
+        """The worker's loop says whether the engine has work: the disk tier writes when not."""
+        if self.disk is not None:
+            self.disk.engine_busy(busy)
 
     # -- the gate's view -------------------------------------------------------------
 

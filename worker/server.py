@@ -42,6 +42,9 @@ IDLE_POLL_MS = 50
 # A step's prefill work is sized to take about this long: short enough that decode keeps
 # flowing beside a long prompt and that no healthy step nears the router's stall timeout.
 STEP_BUDGET_S = 0.5
+# A step this much longer than the budget is logged with its shape (a fresh worker's first
+# long prompt on the H200 took 4x a warm one's time: which step, and what shape, says why).
+SLOW_STEP_S = 1.5 * STEP_BUDGET_S
 # Without a router heartbeat for this long, re-send hello (the router may have restarted).
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
@@ -183,6 +186,8 @@ class WorkerServer:
         self.receive(timeout_ms=0 if busy else IDLE_POLL_MS)
         if not busy:
             started = time.perf_counter()  # an idle poll's wait is not the loop's work
+        if self.cache is not None:  # the disk tier writes while the engine is quiet
+            self.cache.engine_busy(self.engine.has_work)
         if self._grow_scale and self.opts.grow_scale_on_signal:
             self._grow_scale = False
             self.gate.grow_scale(self.opts.grow_scale_on_signal, self.clock())
@@ -196,6 +201,8 @@ class WorkerServer:
         self.publish(outputs)
         if stepped:
             self.timing.busy_s += time.perf_counter() - started
+            if self.cache is not None:  # the last answer is out: the quiet starts now
+                self.cache.engine_busy(self.engine.has_work)
         if self.opts.wedge_after_steps is not None and self.timing.steps >= self.opts.wedge_after_steps:
             self._wedge()
 
@@ -341,7 +348,12 @@ class WorkerServer:
     def relieve_pressure(self) -> list[Output]:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict
         (with nothing running the gate reports no pressure and nothing happens)."""
+        budget = self.gate.fitted.budget_bytes
         action = self.gate.pressure(self.view(), self.chunk_tokens, self.clock())
+        if self.gate.fitted.budget_bytes != budget:  # the runtime's own memory was set aside
+            if self.cache is not None:
+                self.cache.follow_budget(self.gate.fitted.budget_bytes)
+            self._changed = True  # the router re-checks its queue against the new model
         if not action.admit:
             self.engine.set_prefill_step(action.chunk_tokens)
             self.chunk_tokens = action.chunk_tokens
@@ -382,6 +394,10 @@ class WorkerServer:
         if self.gate.observe_step(predicted, self.clock()):
             self._changed = True
         self._worst_step_s = max(self._worst_step_s, elapsed)
+        if elapsed > SLOW_STEP_S:
+            log.info("slow step %d: %.3f s, %d rows (%d prefilling %d tokens in a chunk of %d), "
+                     "longest %d tokens", self.engine.num_steps, elapsed, view.rows, view.prefill_rows,
+                     self.engine.last_prefilled_tokens, self.chunk_tokens, view.longest)
         self.pacer.observe(self.engine.last_prefilled_tokens, elapsed)
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True

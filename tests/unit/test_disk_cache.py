@@ -305,6 +305,39 @@ def test_close_writes_everything_queued(tmp_path: Path) -> None:
     assert tier.stats()["writes"] == 5 and len(files(tier)) == 5
 
 
+def test_the_writer_waits_for_a_quiet_engine(tmp_path: Path) -> None:
+    # A write reads the arrays back from the device: while the engine steps it waits, so
+    # the next request's first token does not (on the H200, 19-23 ms of TTFT otherwise).
+    tier = DiskTier(tmp_path, FP, 1 << 30, quiet_s=0.05, max_defer_s=3600.0)
+    tier.engine_busy(True)
+    key = tier.put([1, 2, 3], kv(3))
+    assert key is not None
+    # While busy nothing is written, however long it stays busy (before the deadline).
+    held = threading.Event()
+    assert not held.wait(0.3)
+    assert tier.stats()["writes"] == 0 and tier.pending_keys() == {key}
+    tier.engine_busy(False)
+    written(tier, 1)
+    assert tier.pending_keys() == frozenset()
+    tier.close()
+
+
+def test_an_entry_waits_at_most_max_defer_s_and_close_writes_at_once(tmp_path: Path) -> None:
+    # Steady traffic never leaves the engine quiet: the entry is written by its deadline.
+    tier = DiskTier(tmp_path, FP, 1 << 30, quiet_s=3600.0, max_defer_s=0.1)
+    tier.engine_busy(True)
+    tier.put([1, 2, 3], kv(3))
+    written(tier, 1)
+    tier.close()
+    # Closing writes what is queued without waiting for quiet or the deadline.
+    tier = DiskTier(tmp_path / "b", FP, 1 << 30, quiet_s=3600.0, max_defer_s=3600.0)
+    tier.engine_busy(True)
+    for i in range(3):
+        tier.put([i + 1, 50], kv(2, seed=i))
+    tier.close()
+    assert tier.stats()["writes"] == 3
+
+
 def test_deleting_the_directory_is_safe(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, FP, 1 << 30)
     tier.put([1, 2, 3], kv(3))

@@ -218,6 +218,56 @@ def test_pressure_is_judged_on_a_fresh_reading_never_a_stale_one() -> None:
     assert not action.admit and action.evict >= 1
 
 
+def test_the_runtimes_own_memory_is_set_aside_once_not_taken_for_pressure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # As on the H200 under a tight limit: during steps the process's device footprint ran
+    # 0.2-0.8 GB above MLX's active + cache + the idle baseline. It is this process's own
+    # memory: the budget gives it up once; nothing stops admitting, nothing is evicted.
+    outside = 300 * MIB  # the CUDA context and loaded kernels at idle
+    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
+    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
+                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    budget = gate.model.budget_bytes
+    d = gate.can_admit(view(), 3000, 1000)
+    gate.reserve(d)
+    assert d.admit and gate.pressure(view(4000), 512, now=0.0).admit
+    # A step runs: MLX allocates 100 MiB, and the runtime holds 400 MiB it does not count:
+    # counted as used, that left less than the running request was promised.
+    probe.active_bytes += 100 * MIB
+    probe.footprint_bytes = probe.active_bytes + outside + 400 * MIB
+    memory.refresh()
+    assert memory.headroom_bytes() < memory.reserved_bytes - 100 * MIB
+    caplog.set_level(logging.INFO, logger="worker.gate")
+    action = gate.pressure(view(4000), 512, now=1.0)
+    assert action.admit and action.evict == 0 and not gate.under_pressure
+    assert memory.runtime_bytes >= 400 * MIB
+    assert gate.model.budget_bytes == budget - memory.runtime_bytes
+    assert gate.fitted.budget_bytes == gate.model.budget_bytes   # the fit itself, not a scale
+    assert memory.report(running=1, max_running=8)["runtime_transient_bytes"] == memory.runtime_bytes
+    assert probe.pool_limit == max(0, gate.model.budget_bytes - memory.reserved_bytes)  # MLX pool follows
+    assert any("setting aside" in r.getMessage() for r in caplog.records)
+    # The same excess again: nothing more to learn, no pressure, no new log line.
+    caplog.clear()
+    set_aside = memory.runtime_bytes
+    assert gate.pressure(view(4000), 512, now=2.0).admit
+    assert memory.runtime_bytes == set_aside and not caplog.records
+    # Another process taking the device's memory is still pressure: it shows in free memory.
+    probe.system_available_bytes = 1 * MIB
+    action = gate.pressure(view(4000, 4000, 4000), 512, now=3.0)
+    assert not action.admit and memory.runtime_bytes == set_aside
+
+
+def test_no_footprint_reading_means_nothing_is_set_aside() -> None:
+    # Linux's CPU backend reads no footprint: MLX's count is all there is, as before.
+    gate, probe = make_gate()
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    budget = gate.model.budget_bytes
+    probe.system_available_bytes = 1 * MIB
+    assert not gate.pressure(view(4000, 4000), 512, now=0.0).admit
+    assert gate.memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+
+
 # -- calibration: grow at once, decay toward what is measured -----------------------------
 
 

@@ -191,6 +191,9 @@ class FakeDisk:
     def pending_keys(self) -> frozenset[str]:
         return frozenset(self.pending)
 
+    def engine_busy(self, busy: bool) -> None:
+        self.busy = busy
+
     def written(self) -> None:
         self.pending.clear()
 
