@@ -403,25 +403,26 @@ def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes]
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def part_profile(args: argparse.Namespace) -> dict[str, Any]:
-    limit_mb = weights_mb(args.model_dir) + args.budget_mb
-    prompts = make_prompts(encoder(args.model_dir), "profile", 200, 32)
-    out: dict[str, Any] = {"limit_mb": limit_mb, "max_tokens": args.profile_max_tokens}
+def _profile_window(args: argparse.Namespace, prompts: list[Prompt], extra: list[str],
+                    spy: bool) -> tuple[dict[str, Any], int]:
+    """One Headroom router, requests one at a time for --profile-s: (figures, requests run)."""
+    out: dict[str, Any] = {"router_args": extra}
     with tempfile.TemporaryDirectory(prefix="gpu-profile-") as tmp:
-        router = start_router(args, Path(tmp), limit_mb, args.router_arg)
+        router = start_router(args, Path(tmp), weights_mb(args.model_dir) + args.budget_mb, [*extra, *args.router_arg])
         try:
             asyncio.run(_one_at_a_time(router.url, prompts[:3], args.profile_max_tokens, 60))  # warm
             before = _loop_of(router.url)
             spies = [_spy(router.worker_pid, args.out / "profile-worker.txt", args.profile_s),
                      _spy(router.proc.popen.pid if router.proc.popen else None,
-                          args.out / "profile-router.txt", args.profile_s)]
+                          args.out / "profile-router.txt", args.profile_s)] if spy else []
             try:
                 results = asyncio.run(_one_at_a_time(router.url, prompts[3:], args.profile_max_tokens,
                                                      args.profile_s))
                 after = _loop_of(router.url)
             finally:
-                out["py_spy"] = [_spy_done(spy) for spy in spies]
-            out["headroom"] = _gaps_ms(results)
+                if spy:
+                    out["py_spy"] = [_spy_done(s) for s in spies]
+            out.update(_gaps_ms(results))
             steps = after.get("steps", 0) - before.get("steps", 0)
             if steps > 0:
                 out["worker_loop"] = {
@@ -429,10 +430,22 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
                     "engine_ms_per_step": round((after["engine_s"] - before["engine_s"]) / steps * 1e3, 3),
                     "overhead_us_per_step": round(((after["busy_s"] - after["engine_s"])
                                                    - (before["busy_s"] - before["engine_s"])) / steps * 1e6, 1)}
-            used = len(results)
+            out["disk_tier"] = (_worker_report(router.url).get("prompt_cache", {}).get("tiers") or {}).get("disk")
         finally:
             router.stop()
             append_log(args.out, "profile router", router.proc.log_path)
+    return out, len(results)
+
+
+def part_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Headroom (prompt cache's disk tier on), in-process mlx-lm, then Headroom with the disk
+    tier off, on the same prompts one at a time: in-process between the two Headroom windows
+    shows how far the machine itself drifts (on the H200 in-process ITL ran 6.1-8.3 ms
+    across runs, and a Headroom window once took 12 ms a step with the disk tier off)."""
+    prompts = make_prompts(encoder(args.model_dir), "profile", 200, 32)
+    out: dict[str, Any] = {"limit_mb": weights_mb(args.model_dir) + args.budget_mb,
+                           "max_tokens": args.profile_max_tokens}
+    out["headroom"], used = _profile_window(args, prompts, [], spy=True)
     if not used:
         return out
     from bench.inprocess import InProcess
@@ -445,8 +458,11 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.close()
     out["inprocess"] = _gaps_ms(run.requests)
-    if "itl_mean_ms" in out["headroom"] and "itl_mean_ms" in out["inprocess"]:
-        out["itl_mean_added_us"] = round((out["headroom"]["itl_mean_ms"] - out["inprocess"]["itl_mean_ms"]) * 1e3, 1)
+    out["headroom_disk_off"], _ = _profile_window(args, prompts, ["--prompt-cache-disk-bytes", "0"], spy=False)
+    for key in ("headroom", "headroom_disk_off"):
+        if "itl_mean_ms" in out[key] and "itl_mean_ms" in out["inprocess"]:
+            out[key]["itl_mean_added_us"] = round((out[key]["itl_mean_ms"] - out["inprocess"]["itl_mean_ms"]) * 1e3, 1)
+            out[key]["ttft_p50_added_ms"] = round(out[key]["ttft_p50_ms"] - out["inprocess"]["ttft_p50_ms"], 2)
     return out
 
 

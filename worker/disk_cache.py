@@ -14,11 +14,12 @@ caller is told "no entry" (None): never an exception, never a wrong cache.
 
 Threads: ``put`` only queues (bounded: a full queue drops and counts); the writer thread
 does the file work, and drops its reference to an entry's arrays as soon as they are on
-disk. It writes while the engine is quiet (``engine_busy``, told by the worker's loop):
-a write reads the arrays back from the device and competes with the next step for the
-host, and on the H200 a write-through writer put 19-23 ms on the next request's time to
-first token (0.9 ms without it). An entry waits at most ``max_defer_s``, so a worker that
-dies under steady traffic loses only that much to its successor. Several workers of one model may share a directory: writes are atomic and a file
+disk. It writes while the engine is idle (``engine_busy``, told by the worker's loop): a
+write reads the arrays back from the device, and on the H200 a write at a request's end
+put 19-23 ms on the next request's time to first token (0.9 ms without the writer), while
+writes made during decode steps slowed them. An entry waits at most ``max_defer_s`` (a
+worker that dies under steady traffic loses only that much), and queued entries keep
+their arrays, so when the gate needs that memory (``hurry``) the writer goes at once. Several workers of one model may share a directory: writes are atomic and a file
 another process removed is a miss (``missing``), but each sees the other's new files
 only after a restart.
 """
@@ -50,11 +51,13 @@ MAX_PENDING = 8
 WRITER_CLOSE_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 16 << 30
 DEFAULT_DISK_SHARE = 0.25       # of the free space where the cache lives, when smaller
-# The writer waits for the engine to have been idle this long (an agent's next turn, or the
-# next request of a client that sends one after another, comes within a few ms of the
-# last answer), but never longer than MAX_DEFER_S after an entry was queued.
+# The writer waits for the engine to have been idle this long (the next request of a client
+# that sends one after another comes within a few ms of the last answer; an agent's next
+# turn, after its tools ran, much later), but never longer than MAX_DEFER_S after an entry
+# was queued. Under steady traffic the bounded queue then drops (and counts) what it cannot
+# hold, so the writes that compete with steps are at most MAX_PENDING per MAX_DEFER_S.
 QUIET_S = 0.2
-MAX_DEFER_S = 5.0
+MAX_DEFER_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,7 @@ class DiskTier:
         self._quiet = threading.Condition()
         self._busy = False
         self._idle_since = -math.inf
+        self._hurry = False             # the gate wants the queued entries' memory
         self._rebuild()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._writer = threading.Thread(target=self._run, name="prompt-cache-disk", daemon=True)
@@ -171,6 +175,13 @@ class DiskTier:
             if not busy:
                 self._idle_since = time.monotonic()
             self._quiet.notify_all()
+
+    def hurry(self) -> None:
+        """Write what is queued now, busy or not: the memory its arrays hold is wanted."""
+        with self._quiet:
+            if not self._hurry:
+                self._hurry = True
+                self._quiet.notify_all()
 
     def pending_keys(self) -> frozenset[str]:
         """Keys whose arrays the writer still holds (queued or being written)."""
@@ -270,12 +281,15 @@ class DiskTier:
                 job.cache = None
                 with self._lock:
                     self._pending.pop(job.key, None)
+                if self._queue.empty():
+                    with self._quiet:
+                        self._hurry = False
             del job  # no reference to the arrays outlives the write
 
     def _wait_for_quiet(self, deadline: float) -> None:
         """Until the engine has been idle ``quiet_s``, the deadline passes or the tier closes."""
         with self._quiet:
-            while not self._closed:
+            while not (self._closed or self._hurry):
                 now = time.monotonic()
                 if now >= deadline:
                     return

@@ -319,6 +319,13 @@ def test_the_writer_waits_for_a_quiet_engine(tmp_path: Path) -> None:
     tier.engine_busy(False)
     written(tier, 1)
     assert tier.pending_keys() == frozenset()
+    # Busy again: a new entry waits, until the gate wants its memory (hurry).
+    tier.engine_busy(True)
+    tier.put([4, 5, 6], kv(3, seed=1))
+    assert not held.wait(0.3)
+    assert tier.stats()["writes"] == 1
+    tier.hurry()
+    written(tier, 2)
     tier.close()
 
 

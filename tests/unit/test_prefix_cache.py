@@ -194,6 +194,9 @@ class FakeDisk:
     def engine_busy(self, busy: bool) -> None:
         self.busy = busy
 
+    def hurry(self) -> None:
+        self.hurried = getattr(self, "hurried", 0) + 1
+
     def written(self) -> None:
         self.pending.clear()
 
@@ -265,6 +268,7 @@ def test_entries_queued_for_the_disk_writer_are_held_and_not_evictable_until_wri
     assert (ledger.resident_bytes, ledger.pending_bytes, ledger.writing_bytes) == (100 * PER_TOKEN,) * 3
     assert ledger.held_bytes == 200 * PER_TOKEN and ledger.evictable_bytes == 0
     assert cache.evict(1, "admission") == 0 and len(cache.entries) == 1, "dropping it frees nothing yet"
+    assert disk.hurried == 1, "the memory is wanted: the writer goes now, idle engine or not"
     report = cache.report()
     assert report["pending_bytes"] == report["writing_bytes"] == 100 * PER_TOKEN
     disk.written()                                 # the writer let go of both
