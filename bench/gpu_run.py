@@ -323,11 +323,14 @@ def _burst_summary(before: dict[str, Any], after: dict[str, Any], final: dict[st
     }
 
 
-def runtime_limit_mb(weights: int, baseline: int, budget: int) -> int:
+def runtime_limit_mb(weights: int, baseline: int, budget: int, slack: int = 0) -> int:
     """The limit (MiB) whose budget is ``budget`` bytes for a worker holding ``baseline``
-    bytes beyond ``weights`` (the worker's own rule: limit - weights - baseline - margin)."""
+    bytes beyond ``weights`` (the worker's own rule: limit - weights - baseline - margin),
+    plus ``slack`` for the baseline's variation between processes (on the H200 one process
+    settled at 1.58 GB, the next at 1.81 GB, and refused to start on what was left)."""
     from worker.memory import safety_margin
 
+    baseline += slack
     above = budget + baseline
     for _ in range(8):  # the margin is a share of what lies above the weights: a fixed point
         above = budget + baseline + safety_margin(weights + above, weights)
@@ -352,7 +355,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     baseline = None
     if args.tight_over == "runtime":  # --tight-budget-mb of *budget*: weights + baseline + margin below it
         weights, baseline = _measured_baseline(args)  # the worker's own figures, not file sizes
-        limit_mb = runtime_limit_mb(weights, baseline, args.tight_budget_mb * MIB)
+        limit_mb = runtime_limit_mb(weights, baseline, args.tight_budget_mb * MIB, args.tight_slack_mb * MIB)
     prompts = make_prompts(encoder(args.model_dir), "burst", args.burst, args.burst_prompt_tokens)
     extra = ["--oom-guard", "abort", "--queue-timeout", str(args.queue_timeout_s), *args.router_arg]
     with tempfile.TemporaryDirectory(prefix="gpu-memory-") as tmp:
@@ -533,6 +536,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tight-over", choices=("weights", "runtime"), default="weights",
                    help="memory: 'runtime' makes --tight-budget-mb the worker's budget: a first router "
                         "measures the runtime baseline, then limit = weights + baseline + margin + this")
+    p.add_argument("--tight-slack-mb", type=int, default=384,
+                   help="memory, with --tight-over runtime: room for the runtime baseline's variation "
+                        "between processes (the budget the worker got is in the result)")
     p.add_argument("--burst", type=int, default=32)
     p.add_argument("--burst-prompt-tokens", type=int, default=1000)
     p.add_argument("--burst-max-tokens", type=int, default=200)

@@ -77,14 +77,15 @@ class ServerProcess:
             return ""
 
     def _is_healthy(self) -> bool:
-        """200: healthy. A Headroom router whose worker gave up says ``"state": "failed"``
-        in its 503: that cannot change, so it raises rather than wait out the timeout."""
+        """200: healthy. A Headroom router whose worker gave up says its state is "failed"
+        (``"status"`` in its 503): that cannot change, so it raises rather than wait out the timeout."""
         try:
             with urllib.request.urlopen(self.health_url, timeout=2.0) as resp:
                 return int(resp.status) == 200
         except urllib.error.HTTPError as exc:
             try:
-                state = json.loads(exc.read() or b"{}").get("state")
+                body = json.loads(exc.read() or b"{}")
+                state = body.get("status", body.get("state"))  # Headroom's /health says "status"
             except (ValueError, AttributeError, OSError):
                 state = None
             if state == "failed":

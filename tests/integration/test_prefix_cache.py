@@ -173,6 +173,10 @@ def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict
     for i in range(3):
         chat(router, [{"role": "system", "content": SYSTEM.format(name=f"Fill{i}")},
                       {"role": "user", "content": USERS[i]}], temperature=0, max_tokens=2)
+    # The writer writes while the engine is idle: once it has, the entries can be given back
+    # (queued ones cannot: they are held until written, and the gate then hurries the writer).
+    since = time.time()
+    wait_until(lambda: _written(router, since), TIMEOUT_S, "the disk writer's queue drained")
     filled = router.memory()["workers"][0]["prompt_cache"]
     assert filled["ram_bytes"] > filled["max_bytes"] // 2
     assert memory_evictions(router) == evicted
