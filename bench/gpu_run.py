@@ -8,7 +8,7 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
 - build:  the Llama-3-8B-shaped 4-bit model (bench/gpumodel.py) into --model-dir, unless
           it is already there; the build's timings.
 - ttft:   a fresh router (limit = weights + --budget-mb): time to healthy, then the time to
-          first token of the first short request vs the second, a 1024-token prompt twice,
+          first token of the first short request vs the second, a 1024-token prompt twice, 640 and 1536 tokens,
           and two batches of 8 (a fresh worker compiles kernels for each new shape).
 - memory: a tight limit (weights + --tight-budget-mb, or with --tight-over runtime weights +
           the measured runtime baseline + margin + it, --oom-guard abort): a burst of

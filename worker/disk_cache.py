@@ -87,6 +87,7 @@ class _Job:
     nbytes: int
     is_trimmable: bool
     queued_at: float
+    seq: int = 0                # its place in the queue: hurry() covers every job up to one
 
 
 class DiskTier:
@@ -114,7 +115,8 @@ class DiskTier:
         self._quiet = threading.Condition()
         self._busy = False
         self._idle_since = -math.inf
-        self._hurry = False             # the gate wants the queued entries' memory
+        self._seq = 0                   # jobs queued so far
+        self._hurry_upto = 0            # jobs up to this one are written now (hurry)
         self._rebuild()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._writer = threading.Thread(target=self._run, name="prompt-cache-disk", daemon=True)
@@ -156,7 +158,10 @@ class DiskTier:
                 self._counts["dropped"] += 1
                 return None
             self._pending[key] = nbytes
-        job = _Job(key, ids, list(cache), nbytes, fmt.is_trimmable(cache), time.monotonic())
+        with self._quiet:
+            self._seq += 1
+            seq = self._seq
+        job = _Job(key, ids, list(cache), nbytes, fmt.is_trimmable(cache), time.monotonic(), seq)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -177,10 +182,11 @@ class DiskTier:
             self._quiet.notify_all()
 
     def hurry(self) -> None:
-        """Write what is queued now, busy or not: the memory its arrays hold is wanted."""
+        """Write what is queued now, busy or not: the memory its arrays hold is wanted.
+        (Jobs queued later wait for an idle engine again.)"""
         with self._quiet:
-            if not self._hurry:
-                self._hurry = True
+            if self._hurry_upto < self._seq:
+                self._hurry_upto = self._seq
                 self._quiet.notify_all()
 
     def pending_keys(self) -> frozenset[str]:
@@ -270,7 +276,7 @@ class DiskTier:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                self._wait_for_quiet(job.queued_at + self.max_defer_s)
+                self._wait_for_quiet(job)
                 self._write(job)
             except Exception:  # a disk or format error must not end the writer
                 log.warning("prompt cache: could not write an entry of %d tokens", len(job.ids),
@@ -281,15 +287,14 @@ class DiskTier:
                 job.cache = None
                 with self._lock:
                     self._pending.pop(job.key, None)
-                if self._queue.empty():
-                    with self._quiet:
-                        self._hurry = False
             del job  # no reference to the arrays outlives the write
 
-    def _wait_for_quiet(self, deadline: float) -> None:
-        """Until the engine has been idle ``quiet_s``, the deadline passes or the tier closes."""
+    def _wait_for_quiet(self, job: _Job) -> None:
+        """Until the engine has been idle ``quiet_s``, the job's deadline passes, the gate
+        hurries it or the tier closes."""
+        deadline = job.queued_at + self.max_defer_s
         with self._quiet:
-            while not (self._closed or self._hurry):
+            while not (self._closed or job.seq <= self._hurry_upto):
                 now = time.monotonic()
                 if now >= deadline:
                     return

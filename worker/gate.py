@@ -107,11 +107,14 @@ class CacheLedger:
 
 
 class CacheView(Protocol):
-    """What the gate may ask of the prefix cache: its ledger, and to give bytes back
-    (least recently used, whole entries, never a promised one); returns the bytes freed."""
+    """What the gate may ask of the prefix cache: its ledger, to give bytes back (least
+    recently used, whole entries, never a promised one; returns the bytes freed), and to
+    have the disk writer write now what it holds (``hurry``: it otherwise waits for an
+    idle engine, and entries it holds cannot be given back until written)."""
 
     def ledger(self) -> CacheLedger: ...
     def evict(self, nbytes: int, reason: str) -> int: ...
+    def hurry(self) -> None: ...
 
 
 class NoCache:
@@ -122,6 +125,9 @@ class NoCache:
 
     def evict(self, nbytes: int, reason: str) -> int:
         return 0
+
+    def hurry(self) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +300,7 @@ class MemoryGate:
                 break
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
         if not fits:
+            self._hurry_writer()
             return Decision(RejectReason.NOT_NOW, "no room now", worst)
         return Decision(None, worst_bytes=worst)
 
@@ -362,6 +369,8 @@ class MemoryGate:
             return m.budget_bytes - self.cache.ledger().held_bytes - view.joining_bytes
 
         chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
+        if chunk < paced:
+            self._hurry_writer()
         if chunk < paced and self.cache.ledger().evictable_bytes:
             # Cached prompts go before the chunk shrinks.
             need = costmodel.batch_cost_bytes(m, view.rows, view.longest, paced, rows, view.longest) - room()
@@ -388,6 +397,8 @@ class MemoryGate:
             action, allocated = self._pressure_now(view, chunk_tokens)
             if not action.admit and self._set_aside_runtime():
                 action, allocated = self._pressure_now(view, chunk_tokens)
+        if not action.admit:
+            self._hurry_writer()
         last = mem.last
         if not action.admit and last is not None and last.cache_bytes:
             mem.probe.clear_cache()  # reclaimable: try that before anything drastic
@@ -411,11 +422,16 @@ class MemoryGate:
         Requests already running keep what they were promised. True when the budget moved."""
         mem = self.memory
         r = mem.last
-        excess = mem.runtime_excess(r) if r is not None else 0
-        if excess < RUNTIME_MIN_BYTES:
-            return False
-        charge = int(excess * RUNTIME_SET_ASIDE)
+        if r is None or mem.probe.limit_bytes - mem.used_bytes(r) >= r.system_available_bytes:
+            return False  # the device's free memory binds: another process took it
+        excess = mem.runtime_excess(r)
         old = self.fitted.budget_bytes
+        # Never below what a minimal request needs: the worker would then refuse everything
+        # (boot refuses to start there; in service it keeps serving what still fits).
+        floor = costmodel.request_cost_bytes(self.model, costmodel.MIN_REQUEST_TOKENS - 1, 1)
+        charge = min(int(excess * RUNTIME_SET_ASIDE), old - floor)
+        if excess < RUNTIME_MIN_BYTES or charge <= 0:
+            return False
         mem.runtime_bytes += charge
         self.fitted = dataclasses.replace(self.fitted, budget_bytes=max(0, old - charge))
         self._apply_scale()
@@ -425,6 +441,13 @@ class MemoryGate:
                     "budget %d -> %d MiB (runtime set aside in all: %d MiB)", excess >> 20,
                     charge >> 20, old >> 20, self.fitted.budget_bytes >> 20, mem.runtime_bytes >> 20)
         return True
+
+    def _hurry_writer(self) -> None:
+        """Memory is short and the disk writer holds some of it (entries it has not written
+        cannot be given back): it writes now instead of waiting for an idle engine."""
+        ledger = self.cache.ledger()
+        if ledger.writing_bytes or ledger.pending_bytes:
+            self.cache.hurry()
 
     def _log_pressure(self, action: PressureAction, allocated: int, now: float) -> None:
         """A change of pressure: WARNING, unless one was logged in the last

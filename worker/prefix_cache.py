@@ -178,6 +178,11 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.engine_busy(busy)
 
+    def hurry(self) -> None:
+        """The gate wants memory the disk writer's queue holds: write it now."""
+        if self.disk is not None:
+            self.disk.hurry()
+
     # -- the gate's view -------------------------------------------------------------
 
     def ledger(self) -> CacheLedger:

@@ -258,6 +258,30 @@ def test_the_runtimes_own_memory_is_set_aside_once_not_taken_for_pressure(
     assert not action.admit and memory.runtime_bytes == set_aside
 
 
+def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_keeps_a_floor() -> None:
+    outside = 300 * MIB
+    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
+    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
+                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    budget = gate.model.budget_bytes
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    # The process grew a little, but the device's free memory is what ran out: pressure,
+    # and nothing of the process's own is charged for it.
+    probe.footprint_bytes += 50 * MIB
+    probe.system_available_bytes = 1 * MIB
+    assert not gate.pressure(view(4000), 512, now=0.0).admit
+    assert memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+    # The limit binds, and the excess is larger than the whole budget: the budget keeps
+    # what a minimal request needs instead of falling to nothing.
+    probe.system_available_bytes = 1 << 40
+    probe.footprint_bytes = probe.active_bytes + outside + 2 * LIMIT
+    gate.pressure(view(4000), 512, now=1.0)
+    floor = costmodel.request_cost_bytes(gate.model, costmodel.MIN_REQUEST_TOKENS - 1, 1)
+    assert gate.model.budget_bytes == floor and costmodel.max_request_tokens(gate.model) >= costmodel.MIN_REQUEST_TOKENS - 1
+    assert memory.runtime_bytes == budget - floor
+
+
 def test_no_footprint_reading_means_nothing_is_set_aside() -> None:
     # Linux's CPU backend reads no footprint: MLX's count is all there is, as before.
     gate, probe = make_gate()
@@ -378,6 +402,7 @@ class FakeCache:
         self.promised = promised        # the first ``promised`` entries are held by requests
         self.evicted: list[tuple[int, str]] = []
         self.pending = 0                # bytes out of RAM, held by the disk writer
+        self.hurried = 0                # times the gate asked the writer to write now
         probe.active_bytes += sum(sizes)
 
     def ledger(self) -> CacheLedger:
@@ -393,6 +418,9 @@ class FakeCache:
             self.evicted.append((size, reason))
             freed += size
         return freed
+
+    def hurry(self) -> None:
+        self.hurried += 1
 
 
 def cached_gate(*sizes: int, promised: int = 0, **kw: Any) -> tuple[MemoryGate, FakeProbe, FakeCache]:
@@ -504,6 +532,11 @@ def test_bytes_queued_for_the_disk_writer_are_used_not_free_not_a_rows_and_not_e
     assert gate.can_hold(room_before - 400 * MIB) and not gate.can_hold(room_before - 300 * MIB + 1)
     decision = gate.can_admit(view(), 6000, 2000)  # needs more than giving back 100 MiB frees
     assert decision.reason is RejectReason.NOT_NOW and not cache.evicted
+    # The writer waits for an idle engine; memory it holds is wanted now: it is hurried.
+    assert cache.hurried == 1
+    cache.pending = 0
+    gate.can_admit(view(), 60000, 2000)            # short, but the writer holds nothing
+    assert cache.hurried == 1
 
 
 # -- the router moves this worker's limit ------------------------------------------------
