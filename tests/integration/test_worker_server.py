@@ -1,0 +1,85 @@
+"""WorkerServer's steps around the gate, on the demo model with scripted memory readings.
+
+The engine is real (mlx-lm's BatchGenerator on the demo model); only the device readings
+are fake, because the process footprint that the runtime set-aside reacts to (NVML's
+per-process bytes on CUDA) does not exist on Linux's CPU backend. No router: the server's
+socket connects to an address nobody binds, and what it would publish is read from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common import costmodel
+from common.protocol import Generate, Hello, SamplingParams
+from worker.engine import Engine
+from worker.loader import load_model
+from worker.memory import FakeProbe, MemoryState
+from worker.prefix_cache import PrefixCache
+from worker.server import ServerOptions, WorkerServer
+
+MIB = 1 << 20
+WEIGHTS = 10 * MIB
+OUTSIDE = 50 * MIB           # the runtime's idle memory MLX does not count
+LIMIT = 1024 * MIB
+
+
+@pytest.fixture(scope="module")
+def loaded(cache_home: Path) -> object:
+    return load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+
+
+def make_server(loaded: object, tmp_path: Path) -> tuple[WorkerServer, FakeProbe, PrefixCache]:
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
+                    prefill_batch_size=8, max_batch_size=8)
+    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
+    # A large KV per token: a short request (fast on the CPU) is a large promise.
+    model = costmodel.CostModel(kv_bytes_per_token=MIB, num_layers=4, prefill_a_bytes=20_000.0,
+                                prefill_c_bytes=8.0, prefill_b_bytes=MIB,
+                                budget_bytes=LIMIT - WEIGHTS - OUTSIDE - 16 * MIB, context_length=4096,
+                                prefill_step_tokens=64, prefill_batch_size=8)
+    memory = MemoryState(probe=probe, model=model, weights_bytes=WEIGHTS, baseline_bytes=OUTSIDE,
+                         active_baseline_bytes=0)
+    cache = PrefixCache(max_bytes=model.budget_bytes // 2, max_entries=8, budget_share=0.5)
+    hello = Hello(incarnation=1, pid=0, package_version="test", model_id="demo", fingerprint="f",
+                  context_length=4096, tokenizer_path="", eos_token_ids=[], admission=True)
+    opts = ServerOptions(router_addr=f"ipc://{tmp_path}/nobody.sock", incarnation=1, oom_guard="off",
+                         admission=True, max_running=8, vocab_size=512)
+    return WorkerServer(opts, engine, memory, hello, cache=cache), probe, cache
+
+
+def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_model(
+        loaded: object, tmp_path: Path) -> None:
+    server, probe, cache = make_server(loaded, tmp_path)
+    try:
+        server.admit(Generate(incarnation=1, request_id="r1", prompt_ids=[3 + i % 500 for i in range(200)],
+                              max_tokens=20, sampling=SamplingParams(temperature=0, ignore_eos=True)))
+        assert server.engine.running and server.memory.reserved_bytes > 0
+        budget = server.gate.model.budget_bytes
+        server._changed = False
+        # While the step runs the process holds far more than MLX counts: counted as used,
+        # that is less than the running request was promised.
+        probe.footprint_bytes = probe.active_bytes + OUTSIDE + 750 * MIB
+        server.memory.refresh()
+        assert server.memory.headroom_bytes() < server.memory.reserved_bytes
+        outputs = server.relieve_pressure()
+        assert outputs == [] and not server.gate.under_pressure          # nothing stopped
+        assert server.memory.runtime_bytes > 0
+        assert server.gate.model.budget_bytes == budget - server.memory.runtime_bytes
+        assert cache.max_bytes == int(server.gate.model.budget_bytes * 0.5)  # the RAM tier follows
+        assert server._changed                                              # the router hears of it
+        report = server.memory.report(running=1, max_running=8)
+        assert report["cost_model"]["budget_bytes"] == server.gate.model.budget_bytes
+        assert report["runtime_transient_bytes"] == server.memory.runtime_bytes
+        # The request still runs to its end.
+        done = []
+        for _ in range(400):
+            done += [o for o in server.step() if o.finish_reason is not None]
+            if done:
+                break
+        assert [o.request_id for o in done] == ["r1"]
+    finally:
+        server.sock.close(0)
+        server.ctx.term()
