@@ -289,7 +289,7 @@ class Api:
             rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[prompt],
                                  sampling=row_sampling(replace(sampling, max_tokens=row_max_tokens[prompt]),
                                                        index),
-                                 deadline=deadline, enqueued_at=now,
+                                 deadline=deadline, enqueued_at=now, arrived_at=arrived,
                                  events=ChoiceEvents(rows.events, index), model=served.spec.alias,
                                  boundaries=boundaries, room_left=room_left))
         try:
@@ -373,9 +373,17 @@ class Api:
             self.metrics.history.note_ttft(time.time(), ttft_s)
         outcome = "client gone" if client_left and not collector.finished else (
             collector.finish_reason or "error")
+        # Where a first token's time went besides the worker: before the queue (parsing,
+        # checks, tokenizing) and from its arrival here to its first byte on the stream.
+        before_ms = (job.enqueued_at - job.arrived_at) * 1e3 if job.arrived_at is not None else None
+        sent_ms = ((job.first_sent_at - job.first_token_at) * 1e3
+                   if job.first_sent_at is not None and job.first_token_at is not None else None)
         log.info("finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
-                 "total %.3fs", outcome, len(job.prompt_ids), collector.completion_tokens, queued_s,
+                 "total %.3fs (HTTP before the queue %s, first token to first byte %s)", outcome,
+                 len(job.prompt_ids), collector.completion_tokens, queued_s,
                  f"{ttft_s:.3f}s" if ttft_s is not None else "-", now - job.enqueued_at,
+                 f"{before_ms:.2f}ms" if before_ms is not None else "-",
+                 f"{sent_ms:.2f}ms" if sent_ms is not None else "-",
                  extra=about(job.request_id, job.incarnation, job.model))
 
 

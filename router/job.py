@@ -87,6 +87,8 @@ class Job:
     num_dispatches: int = 0
     dispatched_at: float | None = None
     first_token_at: float | None = None
+    arrived_at: float | None = None       # the HTTP request's arrival (parse, checks, tokenizing before enqueued_at)
+    first_sent_at: float | None = None    # the first output written to a stream (after first_token_at)
     boundaries: list[int] = field(default_factory=list)   # message ends in the prompt (prefix cache)
     room_left: bool = False               # max_tokens is the room left, not asked: it shrinks, never fails
 

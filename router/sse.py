@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from typing import Any
 
 from aiohttp import web
@@ -83,6 +84,10 @@ class Responder:
             chunk = self.drain(rows, collectors, present, index, event)
             if chunk:
                 await self.write(request, response, chunk)
+                sent = time.monotonic()
+                for job in rows.jobs:  # the first token's first byte, for the finished log line
+                    if job.first_sent_at is None and job.first_token_at is not None:
+                        job.first_sent_at = sent
         assert response is not None
         await self.write(request, response, present.tail(collectors, rows.prompt_tokens))
         return response

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import openai
 import pytest
 
+from tests.conftest import wait_until
 from tests.integration.conftest import Router
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a story about it."
@@ -66,6 +68,17 @@ def test_completion_streaming(router: Router) -> None:
     text = "".join(c.choices[0].text for c in client.completions.create(
         model="m", prompt=PROMPT, max_tokens=16, temperature=0, stream=True) if c.choices)
     assert text == whole.choices[0].text
+
+
+def test_a_streamed_requests_log_line_says_where_its_first_token_time_went(router: Router) -> None:
+    # The worker's share is ttft; the router's own is before the queue and after the token.
+    stream = router.client().with_options(max_retries=0).completions.with_raw_response.create(
+        model="m", prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    request_id = stream.headers["x-request-id"]
+    assert [c for c in stream.parse()]
+    pattern = re.compile(rf"\[{re.escape(request_id)}\] finished: .*, ttft [0-9.]+s, total [0-9.]+s "
+                         r"\(HTTP before the queue [0-9.]+ms, first token to first byte [0-9.]+ms\)")
+    wait_until(lambda: pattern.search(router.log()), 10, "the finished line", on_fail=router.log)
 
 
 def test_stop_string_ends_the_output(router: Router) -> None:
