@@ -157,6 +157,7 @@ class WorkerServer:
         self._previous: EngineView | None = None
         self._grow_scale = False
         self._broken = False         # a step raised a non-memory error: no more steps
+        self._admitted_at: dict[str, float] = {}   # at DEBUG: admission times, for the TTFT split
         self.exit_code = ExitCode.OK
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
@@ -323,6 +324,8 @@ class WorkerServer:
             return
         if self.cache is not None:
             self.cache.record(hit)
+        if log.isEnabledFor(logging.DEBUG):
+            self._admitted_at[msg.request_id] = time.perf_counter()
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                         sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
         self.gate.reserve(decision)
@@ -483,7 +486,12 @@ class WorkerServer:
                 + ([o.logprobs] if o.logprobs is not None else []) for o in outputs]
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
+                admitted = self._admitted_at.pop(o.request_id, None) if o.cached_tokens is not None else None
+                if admitted is not None:  # its first output: the worker's share of its TTFT
+                    log.debug("first token %.2f ms after admission", (time.perf_counter() - admitted) * 1e3,
+                              extra=about(o.request_id))
                 if o.finish_reason is not None:
+                    self._admitted_at.pop(o.request_id, None)
                     log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
         cached = {o.request_id: o.cached_tokens for o in outputs if o.cached_tokens}
         self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows,
