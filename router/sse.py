@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 # or wait in the queue.
 # How often a stream whose client is behind looks at its buffer again (only while behind).
 DRAIN_POLL_S = 0.05
+class _Stream(web.StreamResponse):
+    """A stream whose headers go out with its first chunk: one send on the first token's
+    path instead of two (aiohttp sends a StreamResponse's headers at ``prepare`` unless it
+    opts into buffering them, as its own ``web.Response`` does)."""
+
+    _send_headers_immediately = False
+
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -131,7 +139,7 @@ class Responder:
         return b"".join(present.delta(collectors[i]) for i in touched)
 
     async def start_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        response = _Stream(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
         sock = request.transport.get_extra_info("socket") if request.transport else None
         if sock is not None:
