@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # or wait in the queue.
 # How often a stream whose client is behind looks at its buffer again (only while behind).
 DRAIN_POLL_S = 0.05
+
+
 class _Stream(web.StreamResponse):
     """A stream whose headers go out with its first chunk: one send on the first token's
     path instead of two (aiohttp sends a StreamResponse's headers at ``prepare`` unless it

@@ -19,9 +19,11 @@ write reads the arrays back from the device, and on the H200 a write at a reques
 put 19-23 ms on the next request's time to first token (0.9 ms without the writer), while
 writes made during decode steps slowed them. An entry waits at most ``max_defer_s`` (a
 worker that dies under steady traffic loses only that much), and queued entries keep
-their arrays, so when the gate needs that memory (``hurry``) the writer goes at once. Several workers of one model may share a directory: writes are atomic and a file
-another process removed is a miss (``missing``), but each sees the other's new files
-only after a restart.
+their arrays, so when the gate needs that memory (``hurry``) the writer goes at once.
+
+Several workers of one model may share a directory: writes are atomic and a file another
+process removed is a miss (``missing``), but each sees the other's new files only after
+a restart.
 """
 
 from __future__ import annotations
@@ -295,17 +297,11 @@ class DiskTier:
         deadline = job.queued_at + self.max_defer_s
         with self._quiet:
             while not (self._closed or job.seq <= self._hurry_upto):
+                wake = deadline if self._busy else min(deadline, self._idle_since + self.quiet_s)
                 now = time.monotonic()
-                if now >= deadline:
+                if now >= wake:
                     return
-                if not self._busy:
-                    ready = self._idle_since + self.quiet_s
-                    if now >= ready:
-                        return
-                    deadline_or_ready = min(ready, deadline)
-                else:
-                    deadline_or_ready = deadline
-                self._quiet.wait(deadline_or_ready - now)
+                self._quiet.wait(wake - now)
 
     def _write(self, job: _Job) -> None:
         self._make_room(job.nbytes + fmt.header_bytes_estimate(len(job.ids)))

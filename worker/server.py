@@ -270,6 +270,7 @@ class WorkerServer:
         if isinstance(msg, Generate):
             self.admit(msg)
         elif isinstance(msg, Cancel):
+            self._admitted_at.pop(msg.request_id, None)  # no first output will come for it
             if self.engine.cancel(msg.request_id):
                 self.gate.rebase(self.view())  # its promise goes with it
                 self._changed = True
