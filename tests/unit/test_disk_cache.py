@@ -70,6 +70,14 @@ def files(tier: DiskTier) -> list[Path]:
     return sorted(p for p in tier.dir.iterdir() if not p.name.startswith("."))
 
 
+@pytest.fixture(autouse=True)
+def short_heads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most tests here store entries of a few tokens: the index's heads start at one token
+    for them (1, 2, 4, ...); the tests marked ``real_heads`` keep the default of 16."""
+    if "real_heads" not in request.keywords:
+        monkeypatch.setattr(disk_cache, "HEAD_TOKENS", 1)
+
+
 @pytest.fixture
 def tier(tmp_path: Path) -> Any:
     t = DiskTier(tmp_path, FP, 1 << 30)
@@ -399,3 +407,43 @@ def test_put_names_what_the_writer_holds_until_it_is_written(tmp_path: Path) -> 
         assert tier.put(list(range(1, 301)), kv(300)) is None and tier.stats()["dropped"] == 1
     finally:
         tier.close()
+
+
+@pytest.mark.real_heads
+def test_an_entry_shorter_than_the_first_head_is_never_offered(tier: DiskTier) -> None:
+    assert disk_cache.HEAD_TOKENS == 16
+    tier.put(list(range(1, 13)), kv(12))
+    tier.put(list(range(1, 41)), kv(40, seed=1))
+    written(tier, 2)
+    assert tier.longest_prefix(list(range(1, 13)) + [99]) is None    # 12 tokens: prefill them
+    assert tier.longest_prefix(list(range(1, 41)) + [99]) == (40, disk_format.token_key(
+        disk_format.as_ids(list(range(1, 41)))))
+    assert tier.longest_prefix(list(range(1, 21)) + [99])[0] == 20   # type: ignore[index]
+
+
+@pytest.mark.real_heads
+def test_a_lookup_compares_only_entries_that_share_its_head(tier: DiskTier,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many conversations behind one 64-token system prompt, and others: the prompt that
+    continues one of them finds it (the longest), comparing only entries of its heads."""
+    system = list(range(100, 164))
+    convs = [system + [200 + i] * 40 for i in range(12)]          # 104 tokens each, shared 64
+    others = [[300 + i] + list(range(20 + i, 80 + i)) for i in range(12)]
+    for i, ids in enumerate(convs + others):  # one at a time: the writer's queue is bounded
+        tier.put(ids, kv(len(ids), seed=i))
+        written(tier, i + 1)
+    compared: list[int] = []
+    real = disk_cache._Entry.usable_for
+    monkeypatch.setattr(disk_cache._Entry, "usable_for",
+                        lambda self, q: compared.append(len(self.ids)) or real(self, q))
+    query = convs[5] + [7, 8, 9]
+    assert tier.longest_prefix(query) == (104, disk_format.token_key(disk_format.as_ids(convs[5])))
+    # Its deepest head (ids[:64], all twelve conversations share it) has a usable entry:
+    # no other entry was compared.
+    assert len(compared) == len(convs)
+    compared.clear()
+    assert tier.longest_prefix(others[3][:50] + [1]) == (50, disk_format.token_key(
+        disk_format.as_ids(others[3])))                           # a trimmed longer entry
+    assert compared == [61]
+    compared.clear()
+    assert tier.longest_prefix([999] * 40) is None and compared == []
