@@ -10,6 +10,8 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
 - ttft:   a fresh router (limit = weights + --budget-mb): time to healthy, then the time to
           first token of the first short request vs the second, a 1024-token prompt twice, 640 and 1536 tokens,
           and two batches of 8 (a fresh worker compiles kernels for each new shape).
+- split:  a fresh router at DEBUG with JSON logs; --split-requests short prompts one at a
+          time, each request's first-token time cut into stages on one clock (bench/ttft_split.py).
 - memory: a tight limit (weights + --tight-budget-mb, or with --tight-over runtime weights +
           the measured runtime baseline + margin + it, --oom-guard abort): a burst of
           --burst requests of ~--burst-prompt-tokens + --burst-max-tokens, all at once;
@@ -50,7 +52,7 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "ttft", "memory", "profile", "serve")
+PARTS = ("info", "build", "ttft", "split", "memory", "profile", "serve")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
@@ -237,6 +239,24 @@ def part_ttft(args: argparse.Namespace) -> dict[str, Any]:
             router.stop()
             append_log(args.out, "ttft router", router.proc.log_path)
     return {"limit_mb": limit_mb, "healthy_after_s": round(router.startup_s or 0, 2), **seq}
+
+
+# --- split ------------------------------------------------------------------------------
+
+def part_split(args: argparse.Namespace) -> dict[str, Any]:
+    from bench import ttft_split
+
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    prompts = make_prompts(encoder(args.model_dir), f"split-{time.time_ns() % 10**6}", args.split_requests, 32)
+    with tempfile.TemporaryDirectory(prefix="gpu-split-") as tmp:
+        router = start_router(args, Path(tmp), limit_mb,
+                              ["--log-level", "debug", "--log-format", "json", *args.router_arg])
+        try:
+            stages = ttft_split.run(router.url, router.proc.log_path, [p.text for p in prompts],
+                                    max_tokens=args.max_tokens)
+        finally:
+            router.stop()
+    return {"limit_mb": limit_mb, "prompt_tokens": len(prompts[0].token_ids), **stages}
 
 
 # --- memory -----------------------------------------------------------------------------
@@ -520,8 +540,8 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "info": part_info, "build": part_build, "ttft": part_ttft, "memory": part_memory, "profile": part_profile,
-    "serve": part_serve}
+    "info": part_info, "build": part_build, "ttft": part_ttft, "split": part_split, "memory": part_memory,
+    "profile": part_profile, "serve": part_serve}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -546,6 +566,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout-s", type=float, default=120.0, help="memory: the router's --queue-timeout")
     p.add_argument("--snapshot-s", type=float, default=1.0, help="memory: /v1/memory every this often")
     p.add_argument("--max-tokens", type=int, default=16, help="ttft: output tokens per request")
+    p.add_argument("--split-requests", type=int, default=40, help="split: requests one at a time")
     p.add_argument("--profile-s", type=float, default=30.0, help="profile: seconds of one-at-a-time requests")
     p.add_argument("--profile-max-tokens", type=int, default=128, help="profile: output tokens per request")
     p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")

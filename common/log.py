@@ -86,7 +86,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         body = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            + f".{int(record.created % 1 * 1e6):06d}Z",  # microseconds: stages of one request
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

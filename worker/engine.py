@@ -1,7 +1,8 @@
 """The engine: continuous batching on mlx-lm's BatchGenerator. Knows nothing of sockets.
 
 ``add`` inserts a request, ``cancel`` removes it (its row is freed at once), ``step`` runs
-one ``BatchGenerator.next()`` and returns every request's new tokens. Per-row state
+one ``BatchGenerator.next()`` (up to three while only first tokens are coming) and returns
+every request's new tokens. Per-row state
 (prompt progress, decoding or not) is kept here from the generator's public responses
 (``progress``, ``end_of_prompt``) and prefill work from its public ``stats()``, as
 mlx-lm's own server does. The one thing mirrored rather than read is the generator's rule
@@ -20,6 +21,7 @@ boundary's KV is extracted for the cache there, and a finished row's KV at its e
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,9 @@ from worker.prefix_cache import Hit, PrefixCache
 from worker.sampling import logprob_rows, make_processors, make_sampler
 
 log = logging.getLogger(__name__)
+
+# Generator calls a step may add, back to back, to reach a prompt's first token.
+FIRST_TOKEN_CALLS = 2
 
 
 @dataclass(slots=True)
@@ -94,6 +99,7 @@ class Engine:
         self._by_uid: dict[int, Running] = {}
         self.num_steps = 0
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
+        self.last_chained_s = 0.0           # of the last step, spent in calls for first tokens
         self.cache: PrefixCache | None = None
         self.kv_bytes_per_token = 0         # to charge an extraction before it is made
         # A cache that cannot trim (recurrent state) cannot serve an exact re-send from the
@@ -169,19 +175,26 @@ class Engine:
         return ids
 
     def step(self) -> list[Output]:
-        """One engine step: a decode for the running batch and at most one prefill chunk."""
+        """One engine step: a decode for the running batch and at most one prefill chunk.
+
+        A prompt's first token comes two generator calls after its last chunk (one moves
+        the row to decoding and feeds its last token, the next returns the token). When
+        nothing decodes and no chunk is left, those calls are made here, back to back:
+        around the worker's loop, its work between steps (the gate, sockets, a status)
+        would sit twice in every first token's time, with the device idle.
+        """
         with self.generator.stats() as stats:
             prompt_responses, responses = self.generator.next()
+            self._progress(prompt_responses)
+            chained_at = time.perf_counter()
+            for _ in range(FIRST_TOKEN_CALLS):
+                if responses or not self._first_token_next():
+                    break
+                prompt_responses, responses = self.generator.next()
+                self._progress(prompt_responses)
+            self.last_chained_s = time.perf_counter() - chained_at
         self.num_steps += 1
         self.last_prefilled_tokens = stats.prompt_tokens
-        for p in prompt_responses:
-            run = self._by_uid.get(p.uid)
-            if run is not None:
-                run.prefilled = int(p.progress[0])
-                run.decoding = run.decoding or bool(p.end_of_prompt)
-                self._joined(run)
-                if p.end_of_segment and not p.end_of_prompt and self._at_boundary(run):
-                    self._at_boundaries.append(p.uid)
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
         for r in responses:
@@ -211,6 +224,22 @@ class Engine:
                             logprob_rows(wanted)):
             out.logprobs.append(row)
         return outputs
+
+    def _progress(self, prompt_responses: list[Any]) -> None:
+        for p in prompt_responses:
+            run = self._by_uid.get(p.uid)
+            if run is not None:
+                run.prefilled = int(p.progress[0])
+                run.decoding = run.decoding or bool(p.end_of_prompt)
+                self._joined(run)
+                if p.end_of_segment and not p.end_of_prompt and self._at_boundary(run):
+                    self._at_boundaries.append(p.uid)
+
+    def _first_token_next(self) -> bool:
+        """Only first tokens are coming: rows are running, none decodes yet (a generator
+        call that decodes answers), no chunk is left to prefill, and no row stands at a
+        message boundary whose KV is to be stored before it moves on."""
+        return bool(self.running) and not self._at_boundaries and not self._next_prefill()
 
     # -- the prefix cache's stores ---------------------------------------------------
 

@@ -150,6 +150,7 @@ class WorkerServer:
         self.num_bad_frames = 0
         self._status_sent_at = 0.0
         self._changed = False
+        self._held = False           # the last iteration held its status back (a first token)
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
         self._worst_step_s = 0.0
@@ -404,7 +405,8 @@ class WorkerServer:
             log.info("slow step %d: %.3f s, %d rows (%d prefilling %d tokens in a chunk of %d), "
                      "longest %d tokens", self.engine.num_steps, elapsed, view.rows, view.prefill_rows,
                      self.engine.last_prefilled_tokens, self.chunk_tokens, view.longest)
-        self.pacer.observe(self.engine.last_prefilled_tokens, elapsed)
+        # The calls made for first tokens are a decode's work, not the chunk's.
+        self.pacer.observe(self.engine.last_prefilled_tokens, elapsed - self.engine.last_chained_s)
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())
@@ -472,7 +474,14 @@ class WorkerServer:
     def publish(self, outputs: list[Output]) -> None:
         if outputs:
             self.send_outputs(outputs)
-        self.publish_status()
+        # A status right behind a first token would be read by the router before the
+        # token's stream is woken (one drain of the socket handles both): it goes out with
+        # the next iteration instead, a step later or at once when the engine is idle
+        # (never twice in a row: with first tokens in every step it would never go).
+        hold = not self._held and any(o.cached_tokens is not None for o in outputs)
+        self._held = hold
+        if not hold:
+            self.publish_status()
         now = time.monotonic()
         if now - self._router_seen_at > HELLO_RETRY_S and now - self._hello_sent_at > HELLO_RETRY_S:
             self.say_hello()  # a router that restarted does not know us yet

@@ -134,3 +134,73 @@ def test_finished_requests_leave_nothing_behind(engine: Engine) -> None:
     assert [o.finish_reason for o in finished] == ["length"]
     assert engine.num_prefilling() == 0 and not engine.running
     assert len(engine.generator._generation_batch) == 0
+
+
+# -- a prompt's first token: the generator calls made back to back --------------------------
+
+def count_calls(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one per BatchGenerator.next() call."""
+    calls: list[int] = []
+    real_next = engine.generator.next
+
+    def counted() -> Any:
+        calls.append(1)
+        return real_next()
+
+    monkeypatch.setattr(engine.generator, "next", counted)
+    return calls
+
+
+def test_a_lone_prompts_first_token_comes_from_one_step(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its last chunk, the call that feeds its last token and the one that returns the
+    token, back to back: one step of the worker's loop instead of three."""
+    calls = count_calls(engine, monkeypatch)
+    engine.set_prefill_step(64)
+    engine.add("lone", list(range(3, 15)), max_tokens=3, sampling=GREEDY)
+    first = engine.step()
+    assert [(o.request_id, len(o.token_ids)) for o in first] == [("lone", 1)]
+    assert len(calls) == 3 and engine.last_prefilled_tokens == 11
+    engine.step()
+    assert len(calls) == 4  # decoding: one call a step
+    while engine.has_work:
+        engine.step()
+
+
+def test_no_back_to_back_calls_while_a_chunk_is_left_or_a_row_decodes(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = count_calls(engine, monkeypatch)
+    engine.set_prefill_step(16)
+    engine.add("long", list(range(3, 103)), max_tokens=2, sampling=GREEDY)
+    engine.add("short", list(range(3, 13)), max_tokens=20, sampling=GREEDY)
+    assert engine.step() == [] and len(calls) == 1   # the long prompt has chunks left
+    while "long" in engine.running and not engine.running["short"].generated:
+        engine.step()
+    assert engine.running["short"].decoding
+    engine.add("late", list(range(5, 15)), max_tokens=2, sampling=GREEDY)
+    before = len(calls)
+    outputs = engine.step()                            # "short" decodes: its token answers
+    assert len(calls) == before + 1 and any(o.request_id == "short" for o in outputs)
+    while engine.has_work:
+        engine.step()
+
+
+def test_a_message_boundary_is_stored_before_the_row_moves_on(cache_home: Path) -> None:
+    """A row that reaches a boundary stops there for its KV to be stored: no call is
+    chained past it, so the entry covers exactly the tokens up to the boundary (here the
+    last token's: nothing but the first token's calls are left after it)."""
+    from worker.prefix_cache import PrefixCache
+
+    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
+                    prefill_batch_size=8, max_batch_size=8)
+    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
+    engine.kv_bytes_per_token = 1
+    prompt = list(range(3, 43))
+    engine.add("turn", prompt, max_tokens=2, sampling=GREEDY, boundaries=[39])
+    assert engine.step() == []          # the chunk up to the boundary, and no further
+    engine.store_pending()
+    assert [len(e) for e in engine.cache.entries] == [39]
+    outputs = engine.step()             # the rest, then the first token, back to back
+    assert [o.request_id for o in outputs] == ["turn"]
+    while engine.has_work:
+        engine.step()

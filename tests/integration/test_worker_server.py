@@ -8,13 +8,14 @@ socket connects to an address nobody binds, and what it would publish is read fr
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from common import costmodel
 from common.protocol import Generate, Hello, SamplingParams
-from worker.engine import Engine
+from worker.engine import Engine, Output
 from worker.loader import load_model
 from worker.memory import FakeProbe, MemoryState
 from worker.prefix_cache import PrefixCache
@@ -80,6 +81,37 @@ def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_
             if done:
                 break
         assert [o.request_id for o in done] == ["r1"]
+    finally:
+        server.sock.close(0)
+        server.ctx.term()
+
+
+def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object, tmp_path: Path) -> None:
+    """The status that an admission changed goes out after the first token, one iteration
+    later (read before the token, it would delay the token's stream in the router), and
+    is held at most once in a row."""
+    server, _, _ = make_server(loaded, tmp_path)
+    sent: list[str] = []
+    server.send = lambda msg: sent.append(msg.type)  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    server._router_seen_at = math.inf          # a router that is heard: no hello resent
+    try:
+        server.publish_status(force=True)
+        sent.clear()
+        server.handle(Generate(incarnation=1, request_id="a", prompt_ids=[5 + i for i in range(12)],
+                               max_tokens=8, sampling=greedy))
+        server.loop_once()                      # its chunk and first token, in one step
+        assert sent == ["tokens"]
+        server.loop_once()                      # decoding: the held status goes now
+        assert sent == ["tokens", "tokens", "status"]
+        # First tokens in every step (arrivals one after another) hold it only once.
+        sent.clear()
+        server._changed = True
+        server.publish([Output("x", [1], None, None, 0)])
+        server.publish([Output("y", [1], None, None, 0)])
+        assert sent == ["tokens", "tokens", "status"]
+        while server.engine.has_work:
+            server.loop_once()
     finally:
         server.sock.close(0)
         server.ctx.term()
