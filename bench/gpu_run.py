@@ -244,19 +244,29 @@ def part_ttft(args: argparse.Namespace) -> dict[str, Any]:
 # --- split ------------------------------------------------------------------------------
 
 def part_split(args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh router per variant: ``debug`` (the stages), ``info`` (the client's figure
+    at the default log level), each also ``-nodisk`` (the prompt cache's disk tier off)."""
     from bench import ttft_split
 
     limit_mb = weights_mb(args.model_dir) + args.budget_mb
-    prompts = make_prompts(encoder(args.model_dir), f"split-{time.time_ns() % 10**6}", args.split_requests, 32)
-    with tempfile.TemporaryDirectory(prefix="gpu-split-") as tmp:
-        router = start_router(args, Path(tmp), limit_mb,
-                              ["--log-level", "debug", "--log-format", "json", *args.router_arg])
-        try:
-            stages = ttft_split.run(router.url, router.proc.log_path, [p.text for p in prompts],
-                                    max_tokens=args.max_tokens)
-        finally:
-            router.stop()
-    return {"limit_mb": limit_mb, "prompt_tokens": len(prompts[0].token_ids), **stages}
+    out: dict[str, Any] = {"limit_mb": limit_mb}
+    for variant in args.split_variants.split(","):
+        level, _, nodisk = variant.partition("-")
+        extra = ["--log-level", level, "--log-format", "json", *args.router_arg]
+        extra += ["--prompt-cache-disk-bytes", "0"] if nodisk else []
+        prompts = make_prompts(encoder(args.model_dir), f"split-{variant}-{time.time_ns() % 10**6}",
+                               args.split_requests, 32)
+        with tempfile.TemporaryDirectory(prefix="gpu-split-") as tmp:
+            router = start_router(args, Path(tmp), limit_mb, extra)
+            try:
+                out[variant] = ttft_split.run(router.url, router.proc.log_path, [p.text for p in prompts],
+                                              max_tokens=args.max_tokens)
+            finally:
+                router.stop()
+                if level == "debug":
+                    append_log(args.out, f"split {variant} router", router.proc.log_path)
+        out["prompt_tokens"] = len(prompts[0].token_ids)
+    return out
 
 
 # --- memory -----------------------------------------------------------------------------
@@ -567,6 +577,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-s", type=float, default=1.0, help="memory: /v1/memory every this often")
     p.add_argument("--max-tokens", type=int, default=16, help="ttft: output tokens per request")
     p.add_argument("--split-requests", type=int, default=40, help="split: requests one at a time")
+    p.add_argument("--split-variants", default="debug,debug-nodisk,info,info-nodisk",
+                   help="split: LEVEL[-nodisk],... one fresh router each")
     p.add_argument("--profile-s", type=float, default=30.0, help="profile: seconds of one-at-a-time requests")
     p.add_argument("--profile-max-tokens", type=int, default=128, help="profile: output tokens per request")
     p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")

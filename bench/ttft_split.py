@@ -11,7 +11,8 @@ microsecond, one host so one clock) then place every stage between the two:
     client send → handler      the client's request and aiohttp's parse, up to our handler
     handler → enqueued         parse, checks, template, tokenizing ("HTTP before the queue")
     enqueued → dispatched      the router's queue and routing
-    dispatched → admitted      ZeroMQ, the worker's receive and the gate's admission
+    dispatched → received      ZeroMQ to the worker, its wake and receive
+    received → admitted        the worker's checks, prefix-cache lookup, the gate, the insert
     admitted → worker sent     the engine's steps up to the first token (and the loop between them)
     worker sent → router got   ZeroMQ back, the router's receive
     router got → first byte    the handler's wake, the collector, the write
@@ -39,8 +40,9 @@ from typing import Any
 import aiohttp
 
 STAGES = ("client send → handler", "handler → enqueued", "enqueued → dispatched",
-          "dispatched → admitted", "admitted → worker sent", "worker sent → router got",
+          "dispatched → received", "received → admitted", "admitted → worker sent", "worker sent → router got",
           "router got → first byte", "first byte → client")
+_ADMITTED = re.compile(r"admitted ([\d.]+) ms after its frame arrived")
 _FINISHED = re.compile(r"before the queue ([\d.]+)ms, first token to first byte ([\d.]+)ms")
 
 
@@ -54,13 +56,15 @@ class Trace:
 
     def stages_ms(self) -> dict[str, float] | None:
         s = self.stamps
-        need = ("enqueued", "dispatched", "admitted", "worker_sent", "router_got", "before_ms", "byte_ms")
+        need = ("enqueued", "dispatched", "admitted", "admit_ms", "worker_sent", "router_got", "before_ms",
+                "byte_ms")
         if self.first_chunk is None or any(k not in s for k in need):
             return None
         handler = s["enqueued"] - s["before_ms"] / 1e3
         first_byte = s["router_got"] + s["byte_ms"] / 1e3
-        points = [self.sent, handler, s["enqueued"], s["dispatched"], s["admitted"], s["worker_sent"],
-                  s["router_got"], first_byte, self.first_chunk]
+        received = s["admitted"] - s["admit_ms"] / 1e3
+        points = [self.sent, handler, s["enqueued"], s["dispatched"], received, s["admitted"],
+                  s["worker_sent"], s["router_got"], first_byte, self.first_chunk]
         return {name: (b - a) * 1e3 for name, a, b in zip(STAGES, points, points[1:])}
 
 
@@ -88,8 +92,9 @@ def read_log(text: str, traces: dict[str, Trace]) -> None:
             s["enqueued"] = at
         elif msg.startswith("dispatched"):
             s.setdefault("dispatched", at)
-        elif msg.startswith("admitted"):
+        elif (m := _ADMITTED.match(msg)) is not None:
             s.setdefault("admitted", at)
+            s.setdefault("admit_ms", float(m.group(1)))
         elif msg.startswith("first token") and "after admission" in msg:
             s.setdefault("worker_sent", at)
         elif msg.startswith("first token after"):
@@ -129,6 +134,13 @@ def summarize(traces: dict[str, Trace], skip: int = 2) -> dict[str, Any]:
     """Median and p90 of each stage over the traced requests (the first ``skip`` dropped)."""
     rows = [st for t in list(traces.values())[skip:] if (st := t.stages_ms()) is not None]
     out: dict[str, Any] = {"requests": len(rows), "untraced": len(traces) - skip - len(rows)}
+    # The client's own figure needs no log (at INFO, or another server, only it is there).
+    ttfts = sorted((t.first_chunk - t.sent) * 1e3 for t in list(traces.values())[skip:] if t.first_chunk)
+    if ttfts:
+        out["client_ttft_p50_ms"] = round(statistics.median(ttfts), 3)
+    # A fresh router's first requests, stage by stage: where a cold start's time goes.
+    out["first"] = [{k: round(v, 3) for k, v in st.items()} if (st := t.stages_ms()) else None
+                    for t in list(traces.values())[:skip]]
     if not rows:
         return out
     for name in (*STAGES, "total"):

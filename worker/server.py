@@ -159,6 +159,7 @@ class WorkerServer:
         self._grow_scale = False
         self._broken = False         # a step raised a non-memory error: no more steps
         self._admitted_at: dict[str, float] = {}   # at DEBUG: admission times, for the TTFT split
+        self._received_at = 0.0                     # the last frame's arrival (perf_counter)
         self.exit_code = ExitCode.OK
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
@@ -257,6 +258,7 @@ class WorkerServer:
                 frame = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._received_at = time.perf_counter()
             try:
                 msg = decode(frame)
             except ProtocolError as exc:
@@ -326,14 +328,18 @@ class WorkerServer:
             return
         if self.cache is not None:
             self.cache.record(hit)
-        if log.isEnabledFor(logging.DEBUG):
+        debug = log.isEnabledFor(logging.DEBUG)
+        if debug:
             self._admitted_at[msg.request_id] = time.perf_counter()
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                         sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
         self.gate.reserve(decision)
         self._changed = True
-        log.debug("admitted: %d prompt tokens (%d cached), max_tokens %d", len(msg.prompt_ids),
-                  hit.tokens if hit else 0, msg.max_tokens, extra=about(msg.request_id))
+        if debug:
+            log.debug("admitted %.2f ms after its frame arrived: %d prompt tokens (%d cached), "
+                      "max_tokens %d", (time.perf_counter() - self._received_at) * 1e3,
+                      len(msg.prompt_ids), hit.tokens if hit else 0, msg.max_tokens,
+                      extra=about(msg.request_id))
 
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
