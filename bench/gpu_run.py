@@ -191,7 +191,7 @@ def worker_of(health: dict[str, Any]) -> dict[str, Any]:
 # --- ttft -------------------------------------------------------------------------------
 
 async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_tokens: int) -> dict[str, Any]:
-    shorts = make_prompts(encode, "ttft-short", 2 + 16, 32)
+    shorts = make_prompts(encode, "ttft-short", 3 + 16, 32)
     longs = make_prompts(encode, "ttft-long", 2, 1024)
     body: Callable[[Prompt], dict[str, Any]] = lambda p: request_body(p, max_tokens, {"ignore_eos": True})
     target = url + "/v1/completions"
@@ -201,9 +201,13 @@ async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_token
         # Then prompts of lengths no request had before (640, 1536): whether a new shape
         # pays for kernels on a warm worker, or only the first prompt of a fresh one.
         others = [make_prompts(encode, f"ttft-len{n}", 1, n)[0] for n in (640, 1536)]
-        for name, prompt in [("short_1", shorts[0]), ("short_2", shorts[1]),
+        for name, prompt in [("short_1", shorts[0]), ("short_2", shorts[1]), ("short_idle", shorts[18]),
                              ("long_1", longs[0]), ("long_2", longs[1]),
                              ("len640", others[0]), ("len1536", others[1])]:
+            if name == "short_idle":
+                # As long idle as the fresh worker was before short_1 (about a second and a
+                # half after "ready"): what idling alone costs a warm worker's first token.
+                await asyncio.sleep(1.5)
             r = await one_request(session, target, body(prompt), max_tokens)
             out[name] = {"ttft_ms": _ms(r.ttft_s), "latency_ms": _ms(r.latency_s), "error": r.error,
                          "prompt_tokens": len(prompt.token_ids)}

@@ -26,7 +26,7 @@ from worker.disk_cache import from_options
 from worker.memory import MemoryState, ModelShape, static_cost_model
 from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
 from worker.server import ServerOptions, WorkerServer
-from worker.warmup import warm_up
+from worker.warmup import refill, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                    holdout_ratio=calibration.holdout_ratio)
     probe.clear_cache()
     model = settle_baseline(probe, memory, model, shape.weights_bytes)
+    refill(engine, vocab_size=shape.vocab_size)
     if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, memory.baseline_bytes))
     max_tokens = costmodel.max_request_tokens(model)
