@@ -89,6 +89,7 @@ class Entry:
     used_at: int = 0
     holders: int = 0            # requests holding it (promised): never evicted while > 0
     disk_key: str | None = None  # queued for the disk writer: not evictable until written
+    head: bytes = b""           # its first MIN_REUSE_TOKENS ids: any reuse shares them
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -112,6 +113,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+def _head(ids: np.ndarray) -> bytes:
+    """The first MIN_REUSE_TOKENS ids as bytes (all of them when fewer): two sequences whose
+    heads differ share fewer tokens than any reuse needs."""
+    return np.asarray(ids[:MIN_REUSE_TOKENS], dtype=np.int64).tobytes()
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -267,7 +274,10 @@ class PrefixCache:
     def _best_ram(self, ids: np.ndarray) -> Hit | None:
         best: tuple[int, int, Entry] | None = None
         limit = len(ids) - 1  # the last token is always fed
+        head = _head(ids)
         for entry in self.entries:
+            if entry.head != head:  # shares fewer than MIN_REUSE_TOKENS: no use (a cheap test)
+                continue
             common = common_prefix(entry.ids, ids)
             if common == len(entry) and len(entry) <= limit:
                 use = len(entry)
@@ -313,8 +323,9 @@ class PrefixCache:
             self.num_skipped += num_tokens >= MIN_REUSE_TOKENS
             return False
         ids = np.asarray(prompt[:num_tokens], dtype=np.int64)
+        head = _head(ids)
         for entry in self.entries:
-            if len(entry) >= num_tokens and common_prefix(entry.ids, ids) == num_tokens \
+            if entry.head == head and len(entry) >= num_tokens and common_prefix(entry.ids, ids) == num_tokens \
                     and (len(entry) == num_tokens or entry.trimmable):
                 self._clock += 1
                 entry.used_at = self._clock
@@ -338,7 +349,7 @@ class PrefixCache:
             self.num_skipped += 1
             return None
         self._clock += 1
-        entry = Entry(ids, cache, nbytes, is_trimmable(cache), used_at=self._clock)
+        entry = Entry(ids, cache, nbytes, is_trimmable(cache), used_at=self._clock, head=_head(ids))
         if entry.trimmable:  # its shorter prefixes are served by trimming it
             for old in [e for e in self.entries if not e.holders and len(e) < len(entry)
                         and common_prefix(e.ids, ids) == len(e)]:
