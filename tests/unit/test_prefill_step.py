@@ -25,6 +25,7 @@ class FakeEngine:
         self.prompts: list[tuple[int, int]] = []   # (prompt tokens, chunk)
         self.left = 0
         self.last_prefilled_tokens = 0
+        self.last_chained_s = 0.0
 
     def set_prefill_step(self, n: int) -> None:
         self.step_size = n
