@@ -43,6 +43,9 @@ STAGES = ("client send → handler", "handler → enqueued", "enqueued → dispa
           "dispatched → received", "received → admitted", "admitted → worker sent", "worker sent → router got",
           "router got → first byte", "first byte → client")
 _ADMITTED = re.compile(r"admitted ([\d.]+) ms after its frame arrived")
+_ADMIT_PARTS = re.compile(r"\(decode ([\d.]+), checks and prefix cache ([\d.]+), gate ([\d.]+), "
+                          r"insert ([\d.]+), commit ([\d.]+)\)")
+ADMIT_PARTS = ("decode", "checks and prefix cache", "gate", "insert", "commit")
 _FINISHED = re.compile(r"before the queue ([\d.]+)ms, first token to first byte ([\d.]+)ms")
 
 
@@ -95,6 +98,9 @@ def read_log(text: str, traces: dict[str, Trace]) -> None:
         elif (m := _ADMITTED.match(msg)) is not None:
             s.setdefault("admitted", at)
             s.setdefault("admit_ms", float(m.group(1)))
+            if (parts := _ADMIT_PARTS.search(msg)) is not None:
+                for name, value in zip(ADMIT_PARTS, parts.groups()):
+                    s.setdefault(f"admit {name}", float(value))
         elif msg.startswith("first token") and "after admission" in msg:
             s.setdefault("worker_sent", at)
         elif msg.startswith("first token after"):
@@ -134,6 +140,11 @@ def summarize(traces: dict[str, Trace], skip: int = 2) -> dict[str, Any]:
     """Median and p90 of each stage over the traced requests (the first ``skip`` dropped)."""
     rows = [st for t in list(traces.values())[skip:] if (st := t.stages_ms()) is not None]
     out: dict[str, Any] = {"requests": len(rows), "untraced": len(traces) - skip - len(rows)}
+    # The worker's admission, part by part.
+    parted = [t.stamps for t in list(traces.values())[skip:] if f"admit {ADMIT_PARTS[0]}" in t.stamps]
+    if parted:
+        out["admission parts p50_ms"] = {name: round(statistics.median(p[f"admit {name}"] for p in parted), 3)
+                                         for name in ADMIT_PARTS}
     # The client's own figure needs no log (at INFO, or another server, only it is there).
     ttfts = sorted((t.first_chunk - t.sent) * 1e3 for t in list(traces.values())[skip:] if t.first_chunk)
     if ttfts:

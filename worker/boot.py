@@ -130,9 +130,9 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
                    holdout_ratio=calibration.holdout_ratio)
     probe.clear_cache()
     model = settle_baseline(probe, memory, model, shape.weights_bytes)
-    refill(engine, vocab_size=shape.vocab_size)
     if costmodel.max_request_tokens(model) < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, memory.baseline_bytes))
+    refill(engine, model, vocab_size=shape.vocab_size)
     max_tokens = costmodel.max_request_tokens(model)
     memory.extra["warmup_s"] = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size

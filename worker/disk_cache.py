@@ -209,7 +209,7 @@ class DiskTier:
 
         An entry whose ids are a prefix of ``tokens`` covers all of its ids; a longer or
         diverging one covers the common prefix if it can be trimmed (and enough of it is
-        used to be worth the read). Ties go to the smaller file, then the shorter entry.
+        used to be worth the read). Ties go to the smaller file, then the shorter entry, then the key.
         """
         query = fmt.as_ids(tokens)
         best: tuple[int, int, int, str] | None = None   # usable, -bytes, -tokens (read least), key
@@ -222,9 +222,9 @@ class DiskTier:
             for entry in entries:
                 seen.add(entry.key)
                 usable = entry.usable_for(query)
-                rank = (usable, -entry.data_bytes, -len(entry.ids))
-                if usable > 0 and (best is None or rank > best[:3]):
-                    best = (*rank, entry.key)
+                rank = (usable, -entry.data_bytes, -len(entry.ids), entry.key)  # the key: a stable last tie-break
+                if usable > 0 and (best is None or rank > best):
+                    best = rank
             if best is not None:
                 break
         if best is None:

@@ -311,11 +311,14 @@ class WorkerServer:
 
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""
+        at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
         reject = self._validate(msg)
         # Taken (promised) before admission may evict: the entry this request reuses stays.
         hit = self.cache.lookup(msg.prompt_ids) if reject is None and self.cache is not None else None
+        at.append(time.perf_counter())
         if reject is None:
             decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
+            at.append(time.perf_counter())
             if not decision.admit:
                 assert decision.reason is not None
                 log.debug("%s: %s (%d bytes)", decision.reason, decision.message,
@@ -333,13 +336,16 @@ class WorkerServer:
             self._admitted_at[msg.request_id] = time.perf_counter()
         self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                         sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
+        at.append(time.perf_counter())
         self.gate.reserve(decision)
         self._changed = True
         if debug:
-            log.debug("admitted %.2f ms after its frame arrived: %d prompt tokens (%d cached), "
-                      "max_tokens %d", (time.perf_counter() - self._received_at) * 1e3,
-                      len(msg.prompt_ids), hit.tokens if hit else 0, msg.max_tokens,
-                      extra=about(msg.request_id))
+            at.append(time.perf_counter())
+            ms = [(b - a) * 1e3 for a, b in zip([self._received_at, *at], at)]
+            log.debug("admitted %.2f ms after its frame arrived (decode %.2f, checks and prefix "
+                      "cache %.2f, gate %.2f, insert %.2f, commit %.2f): %d prompt tokens (%d "
+                      "cached), max_tokens %d", sum(ms), *ms, len(msg.prompt_ids),
+                      hit.tokens if hit else 0, msg.max_tokens, extra=about(msg.request_id))
 
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
@@ -481,10 +487,12 @@ class WorkerServer:
         if outputs:
             self.send_outputs(outputs)
         # A status right behind a first token would be read by the router before the
-        # token's stream is woken (one drain of the socket handles both): it goes out with
-        # the next iteration instead, a step later or at once when the engine is idle
-        # (never twice in a row: with first tokens in every step it would never go).
-        hold = not self._held and any(o.cached_tokens is not None for o in outputs)
+        # token's stream is woken (one drain of the socket handles both): while the engine
+        # has work it goes out with the next iteration, a step later (never twice in a row:
+        # with first tokens in every step it would never go); an idle engine sends it now,
+        # for its next iteration first waits for a message.
+        hold = (not self._held and self.engine.has_work
+                and any(o.cached_tokens is not None for o in outputs))
         self._held = hold
         if not hold:
             self.publish_status()

@@ -99,18 +99,25 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
     return report
 
 
-def refill(engine: Engine, *, vocab_size: int) -> None:
+def refill(engine: Engine, model: CostModel, *, vocab_size: int) -> bool:
     """One short request, after the idle baseline was measured with MLX's buffer cache
     cleared: the first real request then finds the buffers a short prompt and a decode
     step use in the cache instead of asking the device for each (on the H200 a fresh
     worker's first short request took 100 ms to its first token in the engine, the next
     one 46 ms, with every kernel already warm). What it leaves is MLX's cache: reclaimable,
-    and bounded by the gate like any other."""
+    and bounded by the gate like any other. Skipped (False) when the settled budget or the
+    context could not hold it, as any warm-up part is."""
+    total = REFILL_PROMPT + DECODE_TOKENS
+    if total > model.context_length or costmodel.batch_cost_bytes(
+            model, 1, total, REFILL_PROMPT, 1, REFILL_PROMPT) > model.budget_bytes:
+        log.info("warm start: the refill request does not fit the settled budget; skipped")
+        return False
     token = min(17, max(vocab_size - 1, 0))
     engine.add("warmup-refill", [token] * REFILL_PROMPT, max_tokens=DECODE_TOKENS,
                sampling=SamplingParams(temperature=0.0, ignore_eos=True))
     while engine.has_work:
         engine.step()
+    return True
 
 
 def _chunk_within_budget(model: CostModel, size: int, max_chunk: int) -> int | None:

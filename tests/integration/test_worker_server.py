@@ -88,8 +88,8 @@ def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_
 
 def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object, tmp_path: Path) -> None:
     """The status that an admission changed goes out after the first token, one iteration
-    later (read before the token, it would delay the token's stream in the router), and
-    is held at most once in a row."""
+    later (read before the token, it would delay the token's stream in the router), held
+    at most once in a row, and not at all when the engine is left idle."""
     server, _, _ = make_server(loaded, tmp_path)
     sent: list[str] = []
     server.send = lambda msg: sent.append(msg.type)  # type: ignore[method-assign]
@@ -112,6 +112,13 @@ def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object,
         assert sent == ["tokens", "tokens", "status"]
         while server.engine.has_work:
             server.loop_once()
+        # A request answered in one step leaves the engine idle: its status goes at once
+        # (the idle loop's next iteration first waits for a message).
+        sent.clear()
+        server.handle(Generate(incarnation=1, request_id="c", prompt_ids=[7 + i for i in range(12)],
+                               max_tokens=1, sampling=greedy))
+        server.loop_once()
+        assert not server.engine.has_work and sent == ["tokens", "status"]
     finally:
         server.sock.close(0)
         server.ctx.term()

@@ -3,6 +3,7 @@ plan for prompts longer than one chunk (worker/warmup.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from common.costmodel import CostModel
@@ -118,3 +119,25 @@ def test_warm_up_steps_are_sized_by_the_calibrations_held_out_error() -> None:
         assert 1.5 / FIT_MARGIN * costmodel.batch_cost_bytes(tight, 1, prompt + warmup.DECODE_TOKENS, chunk, 1,
                                                              prompt) <= tight.budget_bytes
     assert sum(c for _, c in wary.prompts) < sum(c for _, c in plain.prompts)
+
+
+def test_the_refill_runs_one_short_request_only_when_the_settled_budget_holds_it() -> None:
+    from worker.warmup import REFILL_PROMPT, refill
+
+    class Counting(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.added: list[tuple[str, int]] = []
+
+        def add(self, rid: str, ids: list[int], max_tokens: int, sampling: Any) -> None:
+            self.added.append((rid, len(ids)))
+            super().add(rid, ids, max_tokens, sampling)
+
+    engine = Counting()
+    assert refill(engine, model(), vocab_size=100)  # type: ignore[arg-type]
+    assert engine.added == [("warmup-refill", REFILL_PROMPT)] and not engine.has_work
+    tight = dataclasses.replace(model(), budget_bytes=REFILL_PROMPT * 1024)  # less than its KV
+    for skipped in (tight, model(context=REFILL_PROMPT)):
+        engine = Counting()
+        assert not refill(engine, skipped, vocab_size=100)  # type: ignore[arg-type]
+        assert engine.added == []
