@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -275,66 +276,79 @@ def decode(frame: bytes) -> Message:
 
 def _build(cls: Any, body: dict[str, Any], where: str) -> Any:
     """A message or payload dataclass from its map, every field type-checked."""
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            value = body.pop(f.name)
-            hint = hints[f.name]
-            if dataclasses.is_dataclass(hint):
+    for name, nested, check, required in _plan(cls):
+        if name in body:
+            value = body.pop(name)
+            if nested is not None:
                 if not isinstance(value, dict):
-                    raise ProtocolError(f"{where}.{f.name} is not a map")
-                value = _build(hint, dict(value), f"{where}.{f.name}")
-            elif not _conforms(value, hint):
-                raise ProtocolError(f"{where}.{f.name} has the wrong type")
-            kwargs[f.name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where} lacks {f.name}")
+                    raise ProtocolError(f"{where}.{name} is not a map")
+                value = _build(nested, dict(value), f"{where}.{name}")
+            elif not check(value):
+                raise ProtocolError(f"{where}.{name} has the wrong type")
+            kwargs[name] = value
+        elif required:
+            raise ProtocolError(f"{where} lacks {name}")
     # Unknown extra fields are tolerated: a newer peer of the same version may add some.
     return cls(**kwargs)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_Check = Callable[[Any], bool]
+# Per class, once: (field, its payload class or None, its type check, required). Reading the
+# type hints on every frame cost most of a decode (every token's frame in the router).
+_PLANS: dict[type, list[tuple[str, Any, _Check, bool]]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+def _plan(cls: type) -> list[tuple[str, Any, _Check, bool]]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = typing.get_type_hints(cls)
+        plan = [(f.name, hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None,
+                 _checker(hints[f.name]),
+                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                for f in dataclasses.fields(cls)]
+        _PLANS[cls] = plan
+    return plan
 
 
 def _conforms(value: Any, hint: Any) -> bool:
     """A small structural check for the handful of types messages use."""
+    return _checker(hint)(value)
+
+
+def _checker(hint: Any) -> _Check:
+    """The check of ``hint``'s shape, built once per hint."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+        options = [_checker(arg) for arg in typing.get_args(hint)]
+        return lambda v: any(check(v) for check in options)
     if hint is Any:
-        return True
+        return lambda v: True
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if hint is bool:
-        return isinstance(value, bool)
+        return lambda v: isinstance(v, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if hint is str:
-        return isinstance(value, str)
+        return lambda v: isinstance(v, str)
     if origin is list:
-        if not isinstance(value, list):
-            return False
         (arg,) = typing.get_args(hint) or (Any,)
         if arg is int:  # token id lists are the hot path: one pass, no recursion
-            return all(type(v) is int for v in value)
-        return all(_conforms(v, arg) for v in value)
+            return lambda v: isinstance(v, list) and all(type(x) is int for x in v)
+        item = _checker(arg)
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
     if origin is dict:
-        _, item = typing.get_args(hint) or (str, Any)
-        if item is Any:  # free-form (a status report, a cost model): bounded in depth only
-            return isinstance(value, dict) and all(isinstance(k, str) for k in value) \
-                and _shallow(value, MAX_FREE_DEPTH)
-        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, item)
-                                               for k, v in value.items())
-    return False
+        _, item_hint = typing.get_args(hint) or (str, Any)
+        if item_hint is Any:  # free-form (a status report, a cost model): bounded in depth only
+            return lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) \
+                and _shallow(v, MAX_FREE_DEPTH)
+        value_check = _checker(item_hint)
+        return lambda v: isinstance(v, dict) and all(isinstance(k, str) and value_check(x)
+                                                     for k, x in v.items())
+    return lambda v: False
 
 
 def _shallow(value: Any, depth: int) -> bool:
