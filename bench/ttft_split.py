@@ -1,6 +1,7 @@
 """Where a streamed request's first-token time goes, stage by stage, on one clock.
 
     python -m bench.ttft_split --url http://127.0.0.1:8080 --log router.log [--requests 40]
+                               [--api-key KEY, default $MLX_ROUTER_API_KEY]
 
 Run against a router started with ``--log-level debug --log-format json`` (its log holds
 the worker's lines too: the router relays the worker's stderr). Short prompts go one at
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import calendar
 import json
+import os
 import re
 import statistics
 import sys
@@ -109,7 +111,8 @@ def read_log(text: str, traces: dict[str, Trace]) -> None:
             s["before_ms"], s["byte_ms"] = float(m.group(1)), float(m.group(2))
 
 
-async def send(url: str, prompts: list[str], max_tokens: int, gap_s: float) -> dict[str, Trace]:
+async def send(url: str, prompts: list[str], max_tokens: int, gap_s: float,
+               api_key: str | None = None) -> dict[str, Trace]:
     """One streamed completion at a time on one keep-alive connection."""
     traces: dict[str, Trace] = {}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -119,8 +122,11 @@ async def send(url: str, prompts: list[str], max_tokens: int, gap_s: float) -> d
             body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "ignore_eos": True}
             trace = traces[rid] = Trace(sent=time.time())
-            async with session.post(url + "/v1/completions", json=body,
-                                    headers={"X-Request-Id": rid}) as resp:
+            headers = {"X-Request-Id": rid}
+            if api_key:
+                headers["Authorization"] = f"Bearer {api_key}"
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+                resp.raise_for_status()
                 async for raw in resp.content:
                     if trace.first_chunk is None and raw.startswith(b"data: {") and _has_text(raw):
                         trace.first_chunk = time.time()
@@ -162,8 +168,8 @@ def summarize(traces: dict[str, Trace], skip: int = 2) -> dict[str, Any]:
 
 
 def run(url: str, log_path: Path, prompts: list[str], max_tokens: int = 8, gap_s: float = 0.3,
-        settle_s: float = 1.0) -> dict[str, Any]:
-    traces = asyncio.run(send(url, prompts, max_tokens, gap_s))
+        settle_s: float = 1.0, api_key: str | None = None) -> dict[str, Any]:
+    traces = asyncio.run(send(url, prompts, max_tokens, gap_s, api_key))
     time.sleep(settle_s)  # the relayed worker lines reach the router's log
     read_log(log_path.read_text(errors="replace"), traces)
     return summarize(traces)
@@ -175,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", type=Path, required=True, help="the router's stderr (JSON, DEBUG)")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--api-key", default=os.environ.get("MLX_ROUTER_API_KEY"),
+                   help="for a router run with --api-key (default: $MLX_ROUTER_API_KEY)")
     args = p.parse_args(argv)
     # A fresh start per prompt and run: no prompt-cache hit (a hit's copy is another path).
     nonce = f"{time.time_ns() % 10**9:09d}"
     prompts = [f"{nonce[i % 9:]}{i} Request {i}: say something about the number {i * 7}."
                for i in range(args.requests)]
-    print(json.dumps(run(args.url, args.log, prompts, args.max_tokens), indent=2, ensure_ascii=False))
+    print(json.dumps(run(args.url, args.log, prompts, args.max_tokens, api_key=args.api_key), indent=2,
+                     ensure_ascii=False))
     return 0
 
 

@@ -6,7 +6,9 @@ the key and never show it, and a request's id must reach every log line in both 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -56,6 +58,28 @@ def chat(router: Router, request_id: str | None) -> tuple[Any, Any]:
             model="demo", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
             extra_headers=headers)
         return raw.headers, raw.parse()
+
+
+def test_the_ttft_split_places_every_stage_from_both_processes_logs(router: Router) -> None:
+    """bench/ttft_split.py reads this router's DEBUG lines (the worker's relayed ones too):
+    every traced request has all its stages and the worker's admission by part, so a log
+    line renamed in either process breaks the tool here, not on the lent GPU."""
+    from bench import ttft_split
+
+    prompts = [f"split {i}: a short prompt for the stages" for i in range(4)]
+    traces = asyncio.run(ttft_split.send(router.url, prompts, max_tokens=3, gap_s=0.05, api_key=KEY))
+
+    def placed() -> dict[str, Any] | None:  # the relayed worker lines may trail a moment
+        ttft_split.read_log(router.log_path.read_text(errors="replace"), traces)
+        doc = ttft_split.summarize(traces)
+        return doc if doc["requests"] == len(prompts) - 2 else None
+
+    doc = wait_until(placed, 10, "every request's stages in the log", on_fail=router.log)
+    assert doc["untraced"] == 0
+    for stage in (*ttft_split.STAGES, "total"):
+        assert math.isfinite(doc[stage]["p50_ms"]), stage
+    assert set(doc["admission parts p50_ms"]) == set(ttft_split.ADMIT_PARTS)
+    assert len(doc["first"]) == 2 and all(first is not None for first in doc["first"])
 
 
 def status(router: Router) -> dict[str, Any]:
