@@ -465,8 +465,9 @@ def _profile_window(args: argparse.Namespace, prompts: list[Prompt], extra: list
                 out["worker_loop"] = {
                     "steps": steps,
                     "engine_ms_per_step": round((after["engine_s"] - before["engine_s"]) / steps * 1e3, 3),
-                    "overhead_us_per_step": round(((after["busy_s"] - after["engine_s"])
-                                                   - (before["busy_s"] - before["engine_s"])) / steps * 1e6, 1)}
+                    "overhead_us_per_step": round(((after["busy_s"] - after["engine_s"] - after.get("store_s", 0))
+                                                   - (before["busy_s"] - before["engine_s"] - before.get("store_s", 0)))
+                                                  / steps * 1e6, 1)}
             out["disk_tier"] = (_worker_report(router.url).get("prompt_cache", {}).get("tiers") or {}).get("disk")
         finally:
             router.stop()

@@ -56,19 +56,22 @@ ORPHAN_EXIT_S = 5.0
 @dataclass(slots=True)
 class LoopTiming:
     """Where the loop's time goes while it has work: inside the engine's step (model and
-    sampling) or around it (sockets, the gate, publishing). At one stream on a fast GPU a
-    decode step can be bound by the host thread that launches it, so time spent around
-    the step adds to every token; ``/v1/memory`` shows both (``loop``)."""
+    sampling), in the prefix cache's copies after it, or around it (sockets, the gate,
+    publishing). At one stream on a fast GPU a decode step can be bound by the host thread
+    that launches it, so time spent around the step adds to every token; ``/v1/memory``
+    shows all three (``loop``)."""
 
     steps: int = 0
     engine_s: float = 0.0    # inside Engine.step
     busy_s: float = 0.0      # whole loop iterations that stepped the engine
+    store_s: float = 0.0     # the prefix cache's copies after steps (device work, not the loop's)
 
     def overhead_us_per_step(self) -> float:
-        return (self.busy_s - self.engine_s) / self.steps * 1e6 if self.steps else 0.0
+        return (self.busy_s - self.engine_s - self.store_s) / self.steps * 1e6 if self.steps else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "engine_s": round(self.engine_s, 4), "busy_s": round(self.busy_s, 4),
+                "store_s": round(self.store_s, 4),
                 "overhead_us_per_step": round(self.overhead_us_per_step(), 1)}
 
 
@@ -422,11 +425,14 @@ class WorkerServer:
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())
+        stored_at = time.perf_counter()
         try:
             self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
             self._guard()
         except Exception as exc:
             return outputs + self._failed(exc)
+        finally:
+            self.timing.store_s += time.perf_counter() - stored_at
         return outputs
 
     def _failed(self, exc: BaseException) -> list[Output]:

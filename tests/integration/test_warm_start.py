@@ -45,6 +45,7 @@ def test_the_first_request_is_within_twice_a_warm_ones_time_to_first_token(
         # each inside a loop iteration that had work.
         loop = router.memory()["workers"][0]["loop"]
         assert loop["steps"] >= 4 and 0 < loop["engine_s"] <= loop["busy_s"], loop
+        assert 0 <= loop["store_s"] <= loop["busy_s"] - loop["engine_s"], loop
         if first <= 2 * warm:
             return
         router.stop()
