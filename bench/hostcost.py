@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,6 @@ from typing import Any
 import msgpack
 import zmq
 
-ADDR = "ipc:///tmp/headroom-hostcost.sock"
 
 
 def timed(fn: Callable[[], Any], n: int) -> float:
@@ -32,10 +33,10 @@ def timed(fn: Callable[[], Any], n: int) -> float:
     return round(statistics.median(samples) * 1e6, 2)
 
 
-def _peer() -> None:
+def _peer(addr: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.connect(ADDR)
+    sock.connect(addr)
     sock.send(b"hello")
     while True:
         if not sock.poll(50, zmq.POLLIN):
@@ -51,10 +52,11 @@ def _peer() -> None:
 def zmq_latency(n: int = 200) -> dict[str, float]:
     """A ROUTER (the router's side) sends to a DEALER polling with a 50 ms timeout (the idle
     worker's loop), which answers at once: each way's median, on one clock."""
+    addr = f"ipc://{tempfile.gettempdir()}/headroom-hostcost-{os.getpid()}.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    sock.bind(ADDR)
-    peer = multiprocessing.Process(target=_peer, daemon=True)
+    sock.bind(addr)
+    peer = multiprocessing.Process(target=_peer, args=(addr,), daemon=True)
     peer.start()
     ident, _ = sock.recv_multipart()
     there, back = [], []
