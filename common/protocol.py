@@ -12,6 +12,7 @@ caller counts and drops. Neither process may die of a bad frame.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -34,6 +35,7 @@ __all__ = [
     "Generate",
     "Cancel",
     "Tokens",
+    "TokenRow",
     "Reject",
     "Status",
     "Heartbeat",
@@ -154,18 +156,31 @@ class Cancel:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """One request's output in one step. On the wire it is positional, an array
+    ``[request_id, token_ids, finish_reason, logprobs]`` without a trailing ``logprobs``
+    when the request asked for none (one such row per running request and step: names
+    would double the frame at 32 rows). ``logprobs``: one ``[logprob, top_ids,
+    top_logprobs]`` per new token."""
+
+    positional: ClassVar[bool] = True
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[list[Any]] | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tokens:
-    """Worker → router, one per engine step: ``outputs`` rows are
-    ``[request_id, new_token_ids, finish_reason | None]``, with a fourth item when the
-    request asked for logprobs: one ``[logprob, top_ids, top_logprobs]`` per new token.
+    """Worker → router, one per engine step: a row per request with new output.
     ``cached_tokens`` names, in the message that carries a request's first output, how many
     of its prompt tokens came from the prefix cache (absent: none)."""
 
     type: ClassVar[str] = "tokens"
     incarnation: int
     step: int
-    outputs: list[list[Any]]
+    outputs: list[TokenRow]
     cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -242,12 +257,40 @@ def encode(msg: Message) -> bytes:
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        body[f.name] = _payload_to_map(value) if dataclasses.is_dataclass(value) else value
+        if dataclasses.is_dataclass(value):
+            value = _payload_to_map(value)
+        elif isinstance(value, list) and value and getattr(value[0], "positional", False):
+            value = [_payload_to_row(row) for row in value]
+        body[f.name] = value
     return msgpack.packb(body, use_bin_type=True)
 
 
 def _payload_to_map(payload: Any) -> dict[str, Any]:
     return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}
+
+
+def _payload_to_row(payload: Any) -> list[Any]:
+    """A positional payload's fields in order, trailing optional ones left out when None."""
+    get, required = _row_shape(type(payload))
+    row = list(get(payload))
+    while len(row) > required and row[-1] is None:
+        row.pop()
+    return row
+
+
+_ROW_SHAPES: dict[type, tuple[Callable[[Any], tuple[Any, ...]], int]] = {}
+
+
+def _row_shape(cls: type) -> tuple[Callable[[Any], tuple[Any, ...]], int]:
+    """A positional payload's fields as one getter, and how many leading ones have no default."""
+    shape = _ROW_SHAPES.get(cls)
+    if shape is None:
+        fields = dataclasses.fields(cls)
+        shape = (operator.attrgetter(*(f.name for f in fields)),
+                 sum(1 for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))
+        _ROW_SHAPES[cls] = shape
+    return shape
 
 
 def decode(frame: bytes) -> Message:
@@ -284,6 +327,8 @@ def _build(cls: Any, body: dict[str, Any], where: str) -> Any:
                 if not isinstance(value, dict):
                     raise ProtocolError(f"{where}.{name} is not a map")
                 value = _build(nested, dict(value), f"{where}.{name}")
+            elif isinstance(check, _Rows):
+                value = check.build(value, f"{where}.{name}")
             elif not check(value):
                 raise ProtocolError(f"{where}.{name} has the wrong type")
             kwargs[name] = value
@@ -294,21 +339,57 @@ def _build(cls: Any, body: dict[str, Any], where: str) -> Any:
 
 
 _Check = Callable[[Any], bool]
-# Per class, once: (field, its payload class or None, its type check, required). Reading the
-# type hints on every frame cost most of a decode (every token's frame in the router).
-_PLANS: dict[type, list[tuple[str, Any, _Check, bool]]] = {}
 
 
-def _plan(cls: type) -> list[tuple[str, Any, _Check, bool]]:
+class _Rows:
+    """A list of positional payloads (``TokenRow``): each an array of its fields in order,
+    the trailing ones with defaults optional, every item type-checked."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        self.checks = [_checker(hints[f.name]) for f in fields]
+        self.least = sum(1 for f in fields
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+    def build(self, value: Any, where: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} is not a list")
+        cls, checks, least, most = self.cls, self.checks, self.least, len(self.checks)
+        rows = []
+        for row in value:  # one per running request and step: kept to plain loops
+            if type(row) is not list or not least <= len(row) <= most:
+                raise ProtocolError(f"{where} has a malformed row")
+            for check, item in zip(checks, row):
+                if not check(item):
+                    raise ProtocolError(f"{where} has a malformed row")
+            rows.append(cls(*row))
+        return rows
+
+
+_PLANS: dict[type, list[tuple[str, Any, Any, bool]]] = {}
+
+
+def _plan(cls: type) -> list[tuple[str, Any, Any, bool]]:
     plan = _PLANS.get(cls)
     if plan is None:
         hints = typing.get_type_hints(cls)
         plan = [(f.name, hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None,
-                 _checker(hints[f.name]),
+                 _rows_of(hints[f.name]) or _checker(hints[f.name]),
                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                 for f in dataclasses.fields(cls)]
         _PLANS[cls] = plan
     return plan
+
+
+def _rows_of(hint: Any) -> _Rows | None:
+    """The builder for ``list[P]`` where P is a positional payload, else None."""
+    if typing.get_origin(hint) is list:
+        (arg,) = typing.get_args(hint) or (Any,)
+        if dataclasses.is_dataclass(arg) and getattr(arg, "positional", False):
+            return _Rows(arg)
+    return None
 
 
 def _conforms(value: Any, hint: Any) -> bool:

@@ -330,12 +330,8 @@ class Dispatcher:
     def _on_tokens(self, link: WorkerLink, msg: Tokens) -> None:
         now = self.clock()
         finished = False
-        for row in msg.outputs:
-            if not (isinstance(row, list) and len(row) in (3, 4) and isinstance(row[0], str)):
-                self.channel.count_bad("bad tokens row")
-                continue
-            request_id, ids, finish = row[:3]
-            logprobs = row[3] if len(row) == 4 and isinstance(row[3], list) else None
+        for row in msg.outputs:  # rows the decoder checked, a TokenRow each
+            request_id, ids, finish = row.request_id, row.token_ids, row.finish_reason
             job = link.in_flight.get(request_id)
             if job is None:
                 continue  # cancelled here already
@@ -355,10 +351,9 @@ class Dispatcher:
             else:
                 if finish is not None:
                     job.state = JobState.DONE
-                job.events.put_nowait(TokenEvent(ids, finish, logprobs,
+                job.events.put_nowait(TokenEvent(ids, finish, row.logprobs,
                                                  msg.cached_tokens.get(request_id, 0)))
-        self.metrics.generated_tokens.inc(sum(len(r[1]) for r in msg.outputs
-                                              if isinstance(r, list) and len(r) in (3, 4)))
+        self.metrics.generated_tokens.inc(sum(len(r.token_ids) for r in msg.outputs))
         if finished:
             self._changed(link.model_alias)
 

@@ -26,7 +26,7 @@ from common.errors import ProtocolError
 from common.log import about
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Limit, Reject, RejectReason,
-    Shutdown, Status, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
+    Shutdown, Status, TokenRow, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
 )
 from worker.engine import Engine, Output
 from worker.gate import EngineView, MemoryGate, is_memory_error
@@ -512,8 +512,7 @@ class WorkerServer:
         self.publish_status(force=True)
 
     def send_outputs(self, outputs: list[Output]) -> None:
-        rows = [[o.request_id, o.token_ids, o.finish_reason]
-                + ([o.logprobs] if o.logprobs is not None else []) for o in outputs]
+        rows = [TokenRow(o.request_id, o.token_ids, o.finish_reason, o.logprobs) for o in outputs]
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
                 admitted = self._admitted_at.pop(o.request_id, None) if o.cached_tokens is not None else None

@@ -278,7 +278,7 @@ def receive(sock: zmq.Socket, kind: type, proc: Proc, timeout_s: float = 90.0) -
 
 def finished(sock: zmq.Socket, proc: Proc, request_id: str) -> bool:
     _, msg = receive(sock, Tokens, proc, 30)
-    return any(row[0] == request_id and row[2] is not None for row in msg.outputs)
+    return any(row.request_id == request_id and row.finish_reason is not None for row in msg.outputs)
 
 
 def reported_bad(sock: zmq.Socket) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import zmq
 
-from common.protocol import Heartbeat, Tokens, encode
+from common.protocol import Heartbeat, TokenRow, Tokens, encode
 from tests.conftest import wait_until
 from tests.integration.conftest import NO_EOS, Router
 from tests.integration.test_stream_cancel import metric
@@ -26,7 +26,7 @@ def test_garbage_and_foreign_frames_are_dropped(router: Router) -> None:
         for frame in frames:
             sock.send(frame)
         # Well-formed frames from an incarnation the router does not know are ignored.
-        sock.send(encode(Tokens(incarnation=12345, step=1, outputs=[["nope", [1, 2], None]])))
+        sock.send(encode(Tokens(incarnation=12345, step=1, outputs=[TokenRow("nope", [1, 2], None)])))
         sock.send(encode(Heartbeat(incarnation=12345, step=9)))
         # A hello of another protocol version is refused and shown in /health.
         sock.send(msgpack.packb({"v": 999, "type": "hello", "pid": 4242, "package_version": "9.9"}))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.costmodel import CostModel
-from common.protocol import Heartbeat, Hello, Tokens
+from common.protocol import Heartbeat, Hello, TokenRow, Tokens
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, Sampling, TokenEvent
 from router.status import Metrics
@@ -59,9 +59,9 @@ def test_dispatch_to_an_idle_worker_restarts_the_stall_clock(dispatcher: tuple[D
 def test_frames_from_an_old_incarnation_are_dropped(dispatcher: tuple[Dispatcher, Clock]) -> None:
     d, clock = dispatcher
     job = _submit_to_worker_7(d)
-    d._handle(b"w6", Tokens(incarnation=6, step=1, outputs=[["r1", [9], "length"]]))
+    d._handle(b"w6", Tokens(incarnation=6, step=1, outputs=[TokenRow("r1", [9], "length")]))
     assert job.events.empty()
-    d._handle(b"w7", Tokens(incarnation=7, step=1, outputs=[["r1", [9], "length"]]))
+    d._handle(b"w7", Tokens(incarnation=7, step=1, outputs=[TokenRow("r1", [9], "length")]))
     event = job.events.get_nowait()
     assert isinstance(event, TokenEvent) and event.token_ids == [9]
 

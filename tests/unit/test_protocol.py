@@ -16,7 +16,8 @@ from common import protocol
 from common.errors import HeadroomError, ProtocolError
 from common.protocol import (
     MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Cancel, ExitCode, FinishReason, Generate,
-    Heartbeat, Hello, Reject, RejectReason, SamplingParams, Limit, Shutdown, Status, Tokens, Trim, decode,
+    Heartbeat, Hello, Reject, RejectReason, SamplingParams, Limit, Shutdown, Status, TokenRow, Tokens, Trim,
+    decode,
     encode,
 )
 
@@ -36,8 +37,8 @@ EXAMPLES: list[Any] = [
                  seed=2**64 - 1, ignore_eos=True, num_logprobs=3, grammar='{"grammars": []}'),
              reservation_bytes=1 << 20),
     Cancel(incarnation=7, request_id="r1"),
-    Tokens(incarnation=7, step=9, outputs=[["r1", [5, 6], None], ["r2", [7], "stop"],
-                                           ["r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]]]]),
+    Tokens(incarnation=7, step=9, outputs=[TokenRow("r1", [5, 6], None), TokenRow("r2", [7], "stop"),
+                                           TokenRow("r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]])]),
     Reject(incarnation=7, request_id="r1", reason=RejectReason.NOT_NOW.value, message="later",
            needed_bytes=10, max_request_tokens=100),
     Status(incarnation=7, report={"budget_bytes": 1 << 30, "running": 2, "device": "cpu"}),
@@ -137,7 +138,7 @@ message_strategies = st.one_of(
     st.builds(Cancel, incarnation=INT64, request_id=text),
     st.builds(Tokens, incarnation=INT64, step=INT64,
               outputs=st.lists(st.tuples(text, ids, st.sampled_from([None, *FinishReason]))
-                               .map(lambda row: [row[0], row[1], row[2] and str(row[2])]),
+                               .map(lambda row: TokenRow(row[0], row[1], row[2] and str(row[2]))),
                                max_size=8)),
     st.builds(Reject, incarnation=INT64, request_id=text,
               reason=st.sampled_from([str(r) for r in RejectReason]) | text,
@@ -397,6 +398,34 @@ def test_prompt_ids_must_be_ints(bad: list[Any]) -> None:
     body["prompt_ids"] = bad
     with pytest.raises(ProtocolError, match="prompt_ids"):
         decode(pack(body))
+
+
+TOKENS = next(m for m in EXAMPLES if isinstance(m, Tokens))
+
+
+@pytest.mark.parametrize("bad", [
+    "r1",                                    # not a list of rows
+    ["r1", [5], None],                       # a row that is not a list
+    [["r1", [5]]],                           # too short
+    [["r1", [5], None, [], "extra"]],        # too long
+    [[1, [5], None]],                        # request id not a string
+    [["r1", [5, "6"], None]],                # a token id not an int
+    [["r1", [5], 3]],                        # finish reason not a string or nil
+    [["r1", [5], None, "lp"]],               # logprobs not a list
+])
+def test_token_rows_are_checked_field_by_field(bad: Any) -> None:
+    body = body_of(TOKENS)
+    body["outputs"] = bad
+    with pytest.raises(ProtocolError, match="outputs"):
+        decode(pack(body))
+
+
+def test_token_rows_are_positional_on_the_wire() -> None:
+    """One array per row (no field names: a frame carries a row per running request), the
+    logprobs item only when there are logprobs."""
+    rows = body_of(TOKENS)["outputs"]
+    assert rows[0] == ["r1", [5, 6], None] and len(rows[2]) == 4
+    assert decode(pack(body_of(TOKENS))).outputs[2].logprobs == [[-0.5, [8, 9], [-0.5, -1.5]]]
 
 
 def test_incarnation_as_str_is_refused() -> None:
