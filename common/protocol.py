@@ -53,7 +53,7 @@ PROTOCOL_VERSION = 2
 # A prompt of 1M token ids is ~5 MB of msgpack; anything much larger is garbage or abuse.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 # Free-form maps (a worker's status report, its cost model) are checked for depth, not
-# shape: real ones are a few levels deep. (Token rows are not walked: that is the hot path.)
+# shape: real ones are a few levels deep.
 MAX_FREE_DEPTH = 16
 
 
@@ -255,13 +255,13 @@ MESSAGE_TYPES: dict[str, type] = {
 def encode(msg: Message) -> bytes:
     """One msgpack map per message; field order is irrelevant to the reader."""
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
+    for name, _, check, _ in _plan(type(msg)):
+        value = getattr(msg, name)
         if dataclasses.is_dataclass(value):
             value = _payload_to_map(value)
-        elif isinstance(value, list) and value and getattr(value[0], "positional", False):
+        elif isinstance(check, _Rows):  # by the field's declared type, not by what it holds
             value = [_payload_to_row(row) for row in value]
-        body[f.name] = value
+        body[name] = value
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -390,11 +390,6 @@ def _rows_of(hint: Any) -> _Rows | None:
         if dataclasses.is_dataclass(arg) and getattr(arg, "positional", False):
             return _Rows(arg)
     return None
-
-
-def _conforms(value: Any, hint: Any) -> bool:
-    """A small structural check for the handful of types messages use."""
-    return _checker(hint)(value)
 
 
 def _checker(hint: Any) -> _Check:

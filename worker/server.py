@@ -426,14 +426,14 @@ class WorkerServer:
             self._changed = True
             self.gate.rebase(self.view())
         stored_at = time.perf_counter()
+        failure: Exception | None = None
         try:
             self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
             self._guard()
         except Exception as exc:
-            return outputs + self._failed(exc)
-        finally:
-            self.timing.store_s += time.perf_counter() - stored_at
-        return outputs
+            failure = exc
+        self.timing.store_s += time.perf_counter() - stored_at  # not the failure's handling below
+        return outputs + self._failed(failure) if failure is not None else outputs
 
     def _failed(self, exc: BaseException) -> list[Output]:
         return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
