@@ -170,6 +170,19 @@ class TokenRow:
     finish_reason: str | None
     logprobs: list[list[Any]] | None = None
 
+    def well_formed(self) -> bool:
+        """What the field types cannot say: one logprobs entry per token, each
+        ``[logprob, top_ids, top_logprobs]`` with as many ids as logprobs."""
+        return self.logprobs is None or len(self.logprobs) == len(self.token_ids) and all(
+            len(entry) == 3 and _is_number(entry[0]) and type(entry[1]) is list
+            and type(entry[2]) is list and len(entry[1]) == len(entry[2])
+            and all(type(i) is int for i in entry[1]) and all(_is_number(x) for x in entry[2])
+            for entry in self.logprobs)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tokens:
@@ -352,6 +365,7 @@ class _Rows:
         self.checks = [_checker(hints[f.name]) for f in fields]
         self.least = sum(1 for f in fields
                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        self.well_formed = hasattr(cls, "well_formed")  # what field types cannot say
 
     def build(self, value: Any, where: str) -> list[Any]:
         if not isinstance(value, list):
@@ -364,7 +378,10 @@ class _Rows:
             for check, item in zip(checks, row):
                 if not check(item):
                     raise ProtocolError(f"{where} has a malformed row")
-            rows.append(cls(*row))
+            built = cls(*row)
+            if self.well_formed and not built.well_formed():
+                raise ProtocolError(f"{where} has a malformed row")
+            rows.append(built)
         return rows
 
 

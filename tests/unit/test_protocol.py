@@ -412,6 +412,11 @@ TOKENS = next(m for m in EXAMPLES if isinstance(m, Tokens))
     [["r1", [5, "6"], None]],                # a token id not an int
     [["r1", [5], 3]],                        # finish reason not a string or nil
     [["r1", [5], None, "lp"]],               # logprobs not a list
+    [["r1", [5], None, [[]]]],               # a logprobs entry that is empty
+    [["r1", [5], None, [[-0.5, [1, 2], [-0.5]]]]],   # top ids and top logprobs differ in length
+    [["r1", [5], None, [[-0.5, ["1"], [-0.5]]]]],    # a top id not an int
+    [["r1", [5], None, [[True, [1], [-0.5]]]]],      # a logprob that is a bool
+    [["r1", [5, 6], None, [[-0.5, [1], [-0.5]]]]],   # not one entry per token
 ])
 def test_token_rows_are_checked_field_by_field(bad: Any) -> None:
     body = body_of(TOKENS)
