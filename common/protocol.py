@@ -299,9 +299,7 @@ def _row_shape(cls: type) -> tuple[Callable[[Any], tuple[Any, ...]], int]:
     shape = _ROW_SHAPES.get(cls)
     if shape is None:
         fields = dataclasses.fields(cls)
-        shape = (operator.attrgetter(*(f.name for f in fields)),
-                 sum(1 for f in fields
-                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))
+        shape = (operator.attrgetter(*(f.name for f in fields)), sum(map(_required, fields)))
         _ROW_SHAPES[cls] = shape
     return shape
 
@@ -363,8 +361,7 @@ class _Rows:
         hints = typing.get_type_hints(cls)
         fields = dataclasses.fields(cls)
         self.checks = [_checker(hints[f.name]) for f in fields]
-        self.least = sum(1 for f in fields
-                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        self.least = _row_shape(cls)[1]
         self.well_formed = hasattr(cls, "well_formed")  # what field types cannot say
 
     def build(self, value: Any, where: str) -> list[Any]:
@@ -393,11 +390,15 @@ def _plan(cls: type) -> list[tuple[str, Any, Any, bool]]:
     if plan is None:
         hints = typing.get_type_hints(cls)
         plan = [(f.name, hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None,
-                 _rows_of(hints[f.name]) or _checker(hints[f.name]),
-                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 _rows_of(hints[f.name]) or _checker(hints[f.name]), _required(f))
                 for f in dataclasses.fields(cls)]
         _PLANS[cls] = plan
     return plan
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    """A field with no default: a frame must carry it."""
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 def _rows_of(hint: Any) -> _Rows | None:
@@ -424,7 +425,7 @@ def _checker(hint: Any) -> _Check:
     if hint is int:
         return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if hint is float:
-        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+        return _is_number
     if hint is str:
         return lambda v: isinstance(v, str)
     if origin is list:

@@ -46,7 +46,12 @@ class Reading:
 
     @property
     def used_bytes(self) -> int:
-        return max(self.active_bytes + self.cache_bytes, self.footprint_bytes)
+        return self.used_beside(0)
+
+    def used_beside(self, set_aside: int) -> int:
+        """Used memory when ``set_aside`` bytes of the process's footprint are already taken
+        off the budget (the runtime's own, ``MemoryState.runtime_bytes``)."""
+        return max(self.active_bytes + self.cache_bytes, self.footprint_bytes - set_aside)
 
 
 class DeviceProbe(Protocol):
@@ -292,7 +297,7 @@ class MemoryState:
     def used_bytes(self, r: Reading) -> int:
         # The runtime's learned excess is set aside from the budget, so it is not used
         # memory that anything promised could be short of.
-        return max(r.active_bytes + r.cache_bytes, r.footprint_bytes - self.runtime_bytes)
+        return r.used_beside(self.runtime_bytes)
 
     def runtime_excess(self, r: Reading) -> int:
         """What the process holds (its device footprint) beyond MLX's active and cache

@@ -62,7 +62,7 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
         model = dataclasses.replace(model, scale=model.scale * holdout_ratio / FIT_MARGIN)
     started = clock()
     report = WarmupReport()
-    token = min(17, max(vocab_size - 1, 0))
+    token = _warm_token(vocab_size)
 
     def affordable(prefill_tokens: int) -> bool:
         left = budget_s - (clock() - started)
@@ -112,12 +112,17 @@ def refill(engine: Engine, model: CostModel, *, vocab_size: int) -> bool:
             model, 1, total, REFILL_PROMPT, 1, REFILL_PROMPT) > model.budget_bytes:
         log.info("warm start: the refill request does not fit the settled budget; skipped")
         return False
-    token = min(17, max(vocab_size - 1, 0))
+    token = _warm_token(vocab_size)
     engine.add("warmup-refill", [token] * REFILL_PROMPT, max_tokens=DECODE_TOKENS,
                sampling=SamplingParams(temperature=0.0, ignore_eos=True))
     while engine.has_work:
         engine.step()
     return True
+
+
+def _warm_token(vocab_size: int) -> int:
+    """The id the warm-up prompts repeat: any valid one does."""
+    return min(17, max(vocab_size - 1, 0))
 
 
 def _chunk_within_budget(model: CostModel, size: int, max_chunk: int) -> int | None:
