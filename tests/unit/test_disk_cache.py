@@ -21,7 +21,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, save_prompt_cache
 
 from tests.conftest import wait_until
-from worker import disk_cache, disk_format
+from worker import disk_cache, disk_format, prefix_cache
 from worker.disk_cache import DiskTier
 
 FP = "0123456789abcdef"
@@ -412,6 +412,8 @@ def test_put_names_what_the_writer_holds_until_it_is_written(tmp_path: Path) -> 
 @pytest.mark.real_heads
 def test_an_entry_shorter_than_the_first_head_is_never_offered(tier: DiskTier) -> None:
     assert disk_cache.HEAD_TOKENS == 16
+    # What the index never offers, the prefix cache would not use either.
+    assert disk_cache.HEAD_TOKENS <= prefix_cache.MIN_REUSE_TOKENS
     tier.put(list(range(1, 13)), kv(12))
     tier.put(list(range(1, 41)), kv(40, seed=1))
     written(tier, 2)
