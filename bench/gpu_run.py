@@ -7,6 +7,9 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
           view, and whether 2 GiB allocated through MLX shows in the GPU's free memory.
 - build:  the Llama-3-8B-shaped 4-bit model (bench/gpumodel.py) into --model-dir, unless
           it is already there; the build's timings.
+- shape:  the transient of one forward over a grid of chunks (1 to 2048 tokens) and
+          contexts (0 to 8k), and decode steps of 1-32 rows, against the calibration probe's
+          fit (bench/calshape.py, in its own process).
 - ttft:   a fresh router (limit = weights + --budget-mb): time to healthy, then the time to
           first token of the first short request vs the second, a 1024-token prompt twice, 640 and 1536 tokens,
           and two batches of 8 (a fresh worker compiles kernels for each new shape).
@@ -52,7 +55,7 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "ttft", "split", "memory", "profile", "serve")
+PARTS = ("info", "build", "shape", "ttft", "split", "memory", "profile", "serve")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
@@ -163,6 +166,21 @@ def part_build(args: argparse.Namespace) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"model build failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return {"reused": False, "wall_s": round(time.monotonic() - started, 2), **json.loads(manifest.read_text())}
+
+
+# --- shape ------------------------------------------------------------------------------
+
+def part_shape(args: argparse.Namespace) -> dict[str, Any]:
+    path = args.out / "shape-points.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.calshape", "--model", str(args.model_dir),
+                           "--out", str(path), *args.shape_arg], cwd=ROOT, capture_output=True,
+                          text=True, timeout=args.part_timeout_s)
+    with open(args.out / "logs.txt", "a") as fh:
+        fh.write(f"\n===== shape =====\n{proc.stderr[-20000:]}{proc.stdout}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"calshape failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    doc = json.loads(path.read_text())
+    return {"table": proc.stdout.split("\n{")[0], **{k: v for k, v in doc.items() if k != "points"}}
 
 
 # --- routers ----------------------------------------------------------------------------
@@ -555,7 +573,7 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "info": part_info, "build": part_build, "ttft": part_ttft, "split": part_split, "memory": part_memory,
+    "info": part_info, "build": part_build, "shape": part_shape, "ttft": part_ttft, "split": part_split, "memory": part_memory,
     "profile": part_profile, "serve": part_serve}
 
 
@@ -586,6 +604,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="split: LEVEL[-nodisk],... one fresh router each")
     p.add_argument("--profile-s", type=float, default=30.0, help="profile: seconds of one-at-a-time requests")
     p.add_argument("--profile-max-tokens", type=int, default=128, help="profile: output tokens per request")
+    p.add_argument("--shape-arg", action="append", default=[], metavar="ARG",
+                   help="shape: an argument for bench.calshape (repeatable, e.g. --shape-arg=--contexts=0,4096)")
     p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra router flag for ttft and memory (repeat; e.g. --router-arg=--log-level=debug)")

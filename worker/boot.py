@@ -113,6 +113,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline,
                          active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
+    if not cfg.unsafe_no_admission:  # the warm start's kernels queued ahead stay within the limit too
+        probe.bound_active(memory.idle_active_bytes + model.budget_bytes)
     memory.extra["calibration"] = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),

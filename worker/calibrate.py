@@ -158,29 +158,19 @@ def predicted(b: float, a: float, c: float, chunk: int, context: int) -> float:
 def probe(model: Any, stretch: int = 1) -> Calibration:
     """Replay chunked prefills of one row; measure transients and KV bytes per token."""
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
 
     started = time.monotonic()
     samples: list[tuple[int, int, float]] = []
     kv_per_token = 0
-    cache = [BatchKVCache([0]) for _ in model.layers]
+    cache = new_row_cache(model)
     context = 0
     for chunk in PROBE_CHUNKS + HOLDOUT_CHUNKS:
         chunk *= stretch
         context += chunk
-        mx.eval([c.state for c in cache if c.keys is not None])
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        out = model(mx.zeros((1, chunk), dtype=mx.int32), cache=cache)
-        mx.eval(out, [c.state for c in cache])
-        peak = mx.get_peak_memory() - base
-        grown = mx.get_active_memory() - base - out.nbytes
-        samples.append((chunk, context, float(max(peak - max(grown, 0), 0))))
+        samples.append((chunk, context, measure_chunk(model, cache, chunk)))
         # The cache holds whole growth steps; bytes per allocated slot are bytes per token.
         slots = cache[0].keys.shape[2]
         kv_per_token = max(kv_per_token, sum(c.keys.nbytes + c.values.nbytes for c in cache) // slots)
-        del out
     del cache
     mx.clear_cache()
     if kv_per_token <= 0:
@@ -188,6 +178,43 @@ def probe(model: Any, stretch: int = 1) -> Calibration:
     b, a, c, held_out = fit_checked(samples, len(PROBE_POINTS))
     return Calibration(a, c, kv_per_token, time.monotonic() - started, "probe",
                        prefill_b_bytes=b, holdout_ratio=held_out)
+
+
+def new_row_cache(model: Any, rows: int = 1) -> list[Any]:
+    """An empty batch cache of ``rows`` rows, as the engine's BatchGenerator makes it."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache([0] * rows) for _ in model.layers]
+
+
+def measure_chunk(model: Any, cache: list[Any], chunk: int, rows: int = 1, *, in_order: bool = False) -> float:
+    """Prefill ``chunk`` tokens into each of the ``rows`` rows of ``cache`` (a chunk of one
+    is a decode step); the step's transient in bytes: MLX's peak above what was live
+    before it, less what stays (the cache's growth; the logits, which the engine would
+    sample and drop).
+
+    ``in_order``: MLX's memory limit is held at what is live, so its evaluation waits for
+    the device before every allocation past it: the peak is what the forward needs run in
+    order, without the buffers of kernels queued ahead of the device (on a GPU backend the
+    host runs ahead and each queued kernel's buffers stay until the device has run it).
+    """
+    import mlx.core as mx
+
+    mx.eval([c.state for c in cache if c.keys is not None])
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    previous = mx.set_memory_limit(base) if in_order else None
+    try:
+        mx.reset_peak_memory()
+        out = model(mx.zeros((rows, chunk), dtype=mx.int32), cache=cache)
+        mx.eval(out, [c.state for c in cache])
+    finally:
+        if previous is not None:
+            mx.set_memory_limit(previous)
+    peak = mx.get_peak_memory() - base
+    grown = mx.get_active_memory() - base - out.nbytes
+    del out
+    return float(max(peak - max(grown, 0), 0))
 
 
 def fit_checked(samples: list[tuple[int, int, float]], fitted: int) -> tuple[float, float, float, float]:

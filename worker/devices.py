@@ -65,6 +65,7 @@ class CudaProbe:
         self.limit_bytes = min(x for x in (limit_bytes, self.total_bytes) if x is not None)
         self._peak_bytes = 0
         self._pool_default = self._pool_limit = _cache_limit(self._mx)
+        self._active_limit: int | None = None
         self._free_bytes, self._footprint_bytes = self._read_device()
         self._read_at = clock()
         log.info("device cuda: %s, %d MiB total, %d MiB free, limit %d MiB (memory read from %s)",
@@ -93,6 +94,7 @@ class CudaProbe:
     step_peak = MlxProbe.step_peak
     reset_peak = MlxProbe.reset_peak
     bound_cache = MlxProbe.bound_cache
+    bound_active = MlxProbe.bound_active
 
     def clear_cache(self) -> None:
         self._mx.clear_cache()

@@ -318,11 +318,19 @@ class MemoryGate:
 
     def bound_pool(self) -> None:
         """MLX's buffer cache may keep only what is neither promised to a request nor held
-        by the prefix cache: used memory then stays within the budget whatever MLX keeps."""
+        by the prefix cache: used memory then stays within the budget whatever MLX keeps.
+        And MLX may hold no more than the weights, its idle baseline and the budget before
+        it waits for the device (``DeviceProbe.bound_active``): kernels queued ahead of the
+        device use free memory, never memory past the limit."""
         if self.admission:
             ledger = self.cache.ledger()
             self.memory.probe.bound_cache(self.model.budget_bytes - self.memory.reserved_bytes
                                           - ledger.held_bytes)
+            self.memory.probe.bound_active(self.mlx_limit_bytes())
+
+    def mlx_limit_bytes(self) -> int:
+        """What MLX's allocator may hold: the weights, its idle baseline and the budget."""
+        return self.memory.idle_active_bytes + self.fitted.budget_bytes
 
     def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,

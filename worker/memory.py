@@ -63,6 +63,9 @@ class DeviceProbe(Protocol):
     def reset_peak(self) -> None: ...
     def bound_cache(self, nbytes: int) -> None:
         """Let MLX's buffer cache keep at most ``nbytes`` (never more than its default)."""
+    def bound_active(self, nbytes: int) -> None:
+        """MLX's memory limit: past ``nbytes`` of active memory its evaluation waits for the
+        device instead of queueing more kernels (whose buffers would add up)."""
     def invalidate(self) -> None:
         """The next read asks the system again (figures read through a slow call, such as
         the host's available memory or a GPU's, are otherwise reused for a moment)."""
@@ -101,6 +104,7 @@ class MlxProbe:
         self._system_read_at = time.monotonic()
         self._peak_bytes = 0
         self._pool_default = self._pool_limit = _cache_limit(mx)
+        self._active_limit: int | None = None
 
     def read(self) -> Reading:
         mx = self._mx
@@ -145,6 +149,22 @@ class MlxProbe:
             self._mx.set_cache_limit(limit)
             self._pool_limit = limit
 
+    def bound_active(self, nbytes: int) -> None:
+        # MLX evaluates a graph by queueing kernels for the device, and each kernel's buffers
+        # stay until the device has run it; the host runs ahead, so a forward's buffers add
+        # up across layers. On the H200 a 2048-token chunk at a 4k context held 14.5 GB that
+        # way, against 1.4 GB run in order, and a decode step of 32 rows at 4k 8.7 GB against
+        # 1.2 GB (bench/README.md, "Run-ahead"). Past its memory limit MLX waits for queued
+        # kernels before it goes on; that limit defaults to far above ours (Metal: 1.5x the
+        # recommended working set; CUDA: most of the card), so the worker sets it to what
+        # the gate lets MLX hold. A forward that needs more than that in order still gets it
+        # (MLX allocates anyway when nothing is queued): the limit bounds the run-ahead, not
+        # the work.
+        limit = max(1, int(nbytes))
+        if limit != self._active_limit:
+            self._mx.set_memory_limit(limit)
+            self._active_limit = limit
+
 
 @dataclass(slots=True)
 class FakeProbe:
@@ -159,6 +179,7 @@ class FakeProbe:
     cleared: int = 0
     invalidated: int = 0
     pool_limit: int | None = None
+    active_limit: int | None = None
     footprint_bytes: int = 0
 
     def read(self) -> Reading:
@@ -178,6 +199,9 @@ class FakeProbe:
 
     def bound_cache(self, nbytes: int) -> None:
         self.pool_limit = max(0, nbytes)
+
+    def bound_active(self, nbytes: int) -> None:
+        self.active_limit = max(1, nbytes)
 
     def reset_peak(self) -> None:
         pass

@@ -33,6 +33,8 @@ class FakeMx:
         self.peak_bytes = 7 * GIB
         self.info_calls = 0
         self.cache_limit = 112 * GIB  # MLX's default on CUDA: a share of the card
+        self.memory_limit = 112 * GIB
+        self.memory_limit_calls = 0
         self.metal = SimpleNamespace(is_available=lambda: metal)
         self.cuda = SimpleNamespace(is_available=lambda: cuda)
 
@@ -42,6 +44,11 @@ class FakeMx:
 
     def get_active_memory(self) -> int:
         return self.active_bytes
+
+    def set_memory_limit(self, limit: int) -> int:
+        self.memory_limit_calls += 1
+        previous, self.memory_limit = self.memory_limit, limit
+        return previous
 
     def get_cache_memory(self) -> int:
         return self.cache_bytes
@@ -166,6 +173,17 @@ def test_the_gate_bounds_mlx_buffer_cache_but_never_raises_it() -> None:
     assert mx.cache_limit == 0
     probe.bound_cache(500 * GIB)              # never above MLX's own default
     assert mx.cache_limit == 112 * GIB
+
+
+def test_the_gate_sets_mlx_memory_limit_so_queued_kernels_wait_instead_of_passing_it() -> None:
+    mx = FakeMx(cuda_info())
+    probe = CudaProbe(20_000, mx=mx, nvml=None)
+    probe.bound_active(9 * GIB)
+    assert mx.memory_limit == 9 * GIB
+    probe.bound_active(9 * GIB)               # unchanged: MLX is not called again
+    assert mx.memory_limit_calls == 1
+    probe.bound_active(-3)                    # never 0 (MLX would read it as no limit at all)
+    assert mx.memory_limit == 1
 
 
 def test_nvml_gives_memory_and_name_when_mlx_does_not() -> None:

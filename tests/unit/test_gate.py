@@ -187,6 +187,26 @@ def test_mlx_buffer_cache_may_keep_only_what_nobody_was_promised() -> None:
     assert probe.pool_limit == gate.model.budget_bytes < budget
 
 
+def test_mlx_may_hold_weights_baseline_and_budget_before_it_waits_for_the_device() -> None:
+    """MLX's own memory limit (kernels queued ahead of the device wait past it) is the
+    weights, MLX's idle baseline and the budget: it follows the budget when the limit moves
+    or the runtime's memory is set aside, and a promise does not lower it (promised memory
+    is MLX's to use)."""
+    gate, probe = make_gate()
+    memory = gate.memory
+    assert probe.active_limit == memory.idle_active_bytes + gate.fitted.budget_bytes
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    assert probe.active_limit == memory.idle_active_bytes + gate.fitted.budget_bytes
+    gate.move_limit(LIMIT // 2)
+    assert probe.active_limit == memory.idle_active_bytes + gate.fitted.budget_bytes < LIMIT // 2
+
+
+def test_without_admission_mlx_memory_limit_is_left_alone() -> None:
+    gate, probe = make_gate(admission=False)
+    gate.rebase(view())
+    assert probe.active_limit is None
+
+
 class StaleProbe(FakeProbe):
     """A device figure read through a slow call: reused until ``invalidate``."""
 

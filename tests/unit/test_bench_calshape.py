@@ -1,0 +1,49 @@
+"""bench/calshape.py on the demo model (real MLX, CPU backend): every point is measured
+and judged against the probe's fit, and a forward run in order (MLX's memory limit held
+at what is live) never needs more than the same forward with kernels queued ahead."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import calshape
+from worker.calibrate import measure_chunk, new_row_cache
+from worker.demo import default_cache_root, ensure_demo_model
+
+
+@pytest.fixture(scope="module")
+def model() -> object:
+    from mlx_lm import load
+
+    model, _ = load(str(ensure_demo_model(default_cache_root(os.environ))))
+    return model
+
+
+def test_the_grid_is_measured_and_judged_against_the_probes_fit(model: object) -> None:
+    doc = calshape.run(model, stretch=1, contexts=[0, 256], chunks=[16, 64], decode_rows=[1, 4],
+                       decode_contexts=[64])
+    points = doc["points"]
+    assert [(p["rows"], p["chunk"]) for p in points] == [(1, 16), (1, 64)] * 2 + [(1, 1), (4, 1)]
+    assert [p["context"] for p in points[:4]] == [16, 80, 272, 336]
+    for p in points:
+        assert p["bytes"] > 0 and p["predicted"] > 0 and p["ratio"] == round(p["bytes"] / p["predicted"], 3)
+    assert doc["worst_ratio_with_margin"] == max(p["ratio_with_margin"] for p in points)
+    assert doc["probe"]["kv_bytes_per_token"] == 64 * 1024  # the demo's 64 KiB per token
+    assert "grid_fit" in doc and "rows chunk context" in calshape.table(doc)
+
+
+def test_a_forward_run_in_order_needs_no_more_than_one_run_ahead(model: object) -> None:
+    import mlx.core as mx
+
+    limit = mx.set_memory_limit(1 << 40)
+    mx.set_memory_limit(limit)
+    peaks = {}
+    for in_order in (False, True):
+        cache = new_row_cache(model)
+        calshape.fill(model, cache, 256)
+        peaks[in_order] = measure_chunk(model, cache, 128, in_order=in_order)
+    assert 0 < peaks[True] <= peaks[False]
+    # The probe puts MLX's memory limit back as it found it.
+    assert mx.set_memory_limit(limit) == limit
