@@ -106,6 +106,10 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
 
         lead_probe(group, stretch)
         cache_dir = None  # the followers probe too: rank 0 must not skip it from a cache
+    if not cfg.unsafe_no_admission:
+        # From the first forward (the probe's, the warm start's) kernels queued ahead of the
+        # device wait at the limit rather than pass it; the gate keeps this up to date later.
+        probe.bound_active(max(shape.weights_bytes, idle.active_bytes) + static.budget_bytes)
     model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
@@ -113,8 +117,6 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
                          baseline_bytes=baseline,
                          active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
-    if not cfg.unsafe_no_admission:  # the warm start's kernels queued ahead stay within the limit too
-        probe.bound_active(memory.idle_active_bytes + model.budget_bytes)
     memory.extra["calibration"] = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),

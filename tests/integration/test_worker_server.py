@@ -122,3 +122,48 @@ def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object,
     finally:
         server.sock.close(0)
         server.ctx.term()
+
+
+class _StopBoot(Exception):
+    """Ends a boot at its calibration: what is checked happened before it."""
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_mlx_memory_limit_is_set_before_the_first_forward(
+        loaded: object, monkeypatch: pytest.MonkeyPatch, admission: bool) -> None:
+    """The calibration probe's forwards already run under MLX's limit: from the first
+    forward, kernels queued ahead of the device wait at the worker's limit instead of
+    passing it (MLX's own default is far above it). Without admission it is left alone."""
+    import mlx.core as mx
+
+    from common.config import WorkerConfig
+    from worker import boot
+    from worker.memory import MlxProbe
+
+    probes: list[MlxProbe] = []
+    seen: list[tuple[int | None, int]] = []
+
+    def make_probe(limit_mb: int | None) -> MlxProbe:
+        probes.append(MlxProbe(limit_mb))
+        return probes[-1]
+
+    def calibrate(model: object, static: costmodel.CostModel, **_: object) -> None:
+        seen.append((probes[0]._active_limit, static.budget_bytes))
+        raise _StopBoot
+
+    monkeypatch.setattr(boot, "make_probe", make_probe)
+    monkeypatch.setattr(boot, "calibrate", calibrate)
+    before = mx.set_memory_limit(1 << 40)
+    mx.set_memory_limit(before)
+    cfg = WorkerConfig(model="demo", router="ipc:///tmp/nobody", memory_limit_mb=512,
+                       unsafe_no_admission=not admission)
+    try:
+        with pytest.raises(_StopBoot):
+            boot.build_server(cfg, loaded, 1, None)  # type: ignore[arg-type]
+    finally:
+        mx.set_memory_limit(before)
+    limit, budget = seen[0]
+    if admission:
+        assert limit is not None and budget < limit <= 512 * MIB
+    else:
+        assert limit is None
