@@ -111,8 +111,6 @@ def judge(points: list[dict[str, Any]], b: float, a: float, c: float) -> float:
 
 def run(model: Any, *, stretch: int, contexts: list[int], chunks: list[int], decode_rows: list[int],
         decode_contexts: list[int], in_order: bool = False) -> dict[str, Any]:
-    import mlx.core as mx
-
     started = time.monotonic()
     cal = probe(model, stretch)
     probed_s = time.monotonic() - started
@@ -139,7 +137,6 @@ def run(model: Any, *, stretch: int, contexts: list[int], chunks: list[int], dec
         doc["grid_fit"] = {"error": str(exc)}
     doc["points"] = points
     doc["seconds"] = round(time.monotonic() - started, 2)
-    doc["peak_bytes"] = mx.get_peak_memory()
     return doc
 
 
@@ -164,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-rows", type=_ints, default=[1, 8, 32])
     ap.add_argument("--decode-contexts", type=_ints, default=[1024, 4096])
     ap.add_argument("--memory-limit-mb", type=int, default=30000,
-                    help="MLX's memory limit for this process (stay far below the card)")
+                    help="MLX's memory limit for this process (stay far below the card); a point "
+                         "whose weights, cache and queued buffers reach it is cut off there")
     ap.add_argument("--in-order", action="store_true",
                     help="measure with MLX's memory limit held at what is live (no kernels queued ahead)")
     ap.add_argument("--out", type=Path)

@@ -101,15 +101,16 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4
+    # From the first forward (the probe's, the warm start's) kernels queued ahead of the
+    # device wait at the limit rather than pass it; the gate keeps this up to date later.
+    mlx_limit = None if cfg.unsafe_no_admission else max(shape.weights_bytes, idle.active_bytes) + static.budget_bytes
+    if mlx_limit is not None:
+        probe.bound_active(mlx_limit)
     if group is not None:
         from worker.distributed import lead_probe
 
-        lead_probe(group, stretch)
+        lead_probe(group, stretch, mlx_limit)
         cache_dir = None  # the followers probe too: rank 0 must not skip it from a cache
-    if not cfg.unsafe_no_admission:
-        # From the first forward (the probe's, the warm start's) kernels queued ahead of the
-        # device wait at the limit rather than pass it; the gate keeps this up to date later.
-        probe.bound_active(max(shape.weights_bytes, idle.active_bytes) + static.budget_bytes)
     model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):

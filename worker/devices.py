@@ -95,6 +95,7 @@ class CudaProbe:
     reset_peak = MlxProbe.reset_peak
     bound_cache = MlxProbe.bound_cache
     bound_active = MlxProbe.bound_active
+    memory_limit = MlxProbe.memory_limit
 
     def clear_cache(self) -> None:
         self._mx.clear_cache()

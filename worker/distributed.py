@@ -300,9 +300,21 @@ def join(hostfile: str, rank: int | None, model: Any) -> tuple[Any, PeerWatch]:
     return group, watch
 
 
-def lead_probe(group: Any, stretch: int) -> None:
-    """Rank 0 is about to run the calibration probe: the followers run the same forwards."""
-    broadcast(group, msgpack.packb({"probe_stretch": stretch}))
+def lead_probe(group: Any, stretch: int, mlx_limit_bytes: int | None = None) -> None:
+    """Rank 0 is about to run the calibration probe: the followers run the same forwards,
+    under the MLX memory limit rank 0 set for itself (ranks hold alike shards), so their
+    kernels queued ahead of the device wait at it too. They keep that boot-time limit: rank
+    0's budget only shrinks after it, by memory the runtime takes on each rank alike."""
+    broadcast(group, msgpack.packb({"probe_stretch": stretch, "mlx_limit_bytes": mlx_limit_bytes}))
+
+
+def follow_mlx_limit(boot: dict[str, Any]) -> None:
+    """A follower sets the MLX memory limit rank 0 sent (none: MLX's default stays)."""
+    import mlx.core as mx
+
+    limit = boot.get("mlx_limit_bytes")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        mx.set_memory_limit(limit)
 
 
 def run_follower(group: Any, loaded: Any) -> int:
@@ -315,6 +327,7 @@ def run_follower(group: Any, loaded: Any) -> int:
     model = loaded.model
     try:
         boot = msgpack.unpackb(broadcast(group, None))
+        follow_mlx_limit(boot)
         probe(model, int(boot["probe_stretch"]))  # same forwards, same collectives as rank 0's
         steps = follow(group, make_follower(group, model, grammars=make_grammars(loaded)))
     except (RuntimeError, LockstepError, KeyError, ValueError) as exc:

@@ -550,6 +550,7 @@ class MemoryGate:
         """A new fitted model (e.g. a test hook, or a re-calibration); the scale stays."""
         self.fitted = dataclasses.replace(fitted, scale=1.0)
         self._apply_scale()
+        self.bound_pool()
 
     def grow_scale(self, factor: float, now: float) -> None:
         """Test hook: grow the scale as an overshoot would (SIGUSR1 with --test-grow-scale)."""

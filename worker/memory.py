@@ -66,6 +66,8 @@ class DeviceProbe(Protocol):
     def bound_active(self, nbytes: int) -> None:
         """MLX's memory limit: past ``nbytes`` of active memory its evaluation waits for the
         device instead of queueing more kernels (whose buffers would add up)."""
+    def memory_limit(self) -> int | None:
+        """MLX's memory limit as MLX has it now (None: the probe has no MLX)."""
     def invalidate(self) -> None:
         """The next read asks the system again (figures read through a slow call, such as
         the host's available memory or a GPU's, are otherwise reused for a moment)."""
@@ -165,6 +167,9 @@ class MlxProbe:
             self._mx.set_memory_limit(limit)
             self._active_limit = limit
 
+    def memory_limit(self) -> int | None:
+        return int(self._mx.get_memory_limit())
+
 
 @dataclass(slots=True)
 class FakeProbe:
@@ -202,6 +207,9 @@ class FakeProbe:
 
     def bound_active(self, nbytes: int) -> None:
         self.active_limit = max(1, nbytes)
+
+    def memory_limit(self) -> int | None:
+        return self.active_limit
 
     def reset_peak(self) -> None:
         pass

@@ -539,8 +539,8 @@ class WorkerServer:
         report["worst_step_s"] = round(self._worst_step_s, 4)
         report["loop"] = self.timing.to_dict()
         report["safe_prefill_chunk"] = self.chunk_tokens
-        # What MLX may hold before its evaluation waits for the device (None: MLX's default).
-        report["mlx_limit_bytes"] = self.gate.mlx_limit_bytes() if self.opts.admission else None
+        # What MLX may hold before its evaluation waits for the device, read back from MLX.
+        report["mlx_limit_bytes"] = self.memory.probe.memory_limit()
         report["prompt_cache"] = self.cache.report() if self.cache is not None else {"enabled": False}
         self.send(Status(incarnation=self.opts.incarnation, report=report))
 

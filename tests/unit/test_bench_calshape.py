@@ -44,6 +44,8 @@ def test_a_forward_run_in_order_needs_no_more_than_one_run_ahead(model: object) 
         cache = new_row_cache(model)
         calshape.fill(model, cache, 256)
         peaks[in_order] = measure_chunk(model, cache, 128, in_order=in_order)
-    assert 0 < peaks[True] <= peaks[False]
+    # Measured on this CPU: 6.4-9.5 MB in order against 23.4-23.7 MB queued ahead (10
+    # trials, 3 of them beside CPU burners).
+    assert 0 < peaks[True] < 0.8 * peaks[False]
     # The probe puts MLX's memory limit back as it found it.
     assert mx.set_memory_limit(limit) == limit

@@ -81,3 +81,26 @@ def test_ring_sockets_are_the_connected_ones_opened_since() -> None:
     finally:
         for s in (client, accepted, listener):
             s.close()
+
+
+def test_followers_probe_under_the_mlx_memory_limit_rank_0_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 sends the MLX memory limit it set with the probe's stretch; a follower sets
+    the same before its first forward (none sent: MLX's default stays)."""
+    import mlx.core as mx
+    import msgpack
+
+    from worker import distributed
+
+    sent: list[bytes] = []
+    monkeypatch.setattr(distributed, "broadcast", lambda group, data: sent.append(data))
+    distributed.lead_probe(object(), 4, 123 << 20)
+    boot = msgpack.unpackb(sent[0])
+    assert boot == {"probe_stretch": 4, "mlx_limit_bytes": 123 << 20}
+    before = mx.get_memory_limit()
+    try:
+        distributed.follow_mlx_limit(boot)
+        assert mx.get_memory_limit() == 123 << 20
+        distributed.follow_mlx_limit({"probe_stretch": 4, "mlx_limit_bytes": None})
+        assert mx.get_memory_limit() == 123 << 20  # nothing sent: left as it is
+    finally:
+        mx.set_memory_limit(before)
