@@ -405,6 +405,7 @@ class MemoryGate:
             action, allocated = self._pressure_now(view, chunk_tokens)
             if not action.admit and self._set_aside_runtime():
                 action, allocated = self._pressure_now(view, chunk_tokens)
+        self._follow_device()
         if not action.admit:
             self._hurry_writer()
         last = mem.last
@@ -420,6 +421,16 @@ class MemoryGate:
             self._log_pressure(action, allocated, now)
         self.under_pressure = not action.admit
         return action
+
+    def _follow_device(self) -> None:
+        """MLX may hold no more than it holds now, its buffer cache (which it gives back
+        before it allocates past its limit) and what the device or system has free: while
+        another process (on a Mac, another app) holds memory the budget counted on, kernels
+        queued ahead wait instead of taking memory that is no longer there."""
+        r = self.memory.last
+        if r is not None:
+            live = r.active_bytes + r.cache_bytes + r.system_available_bytes
+            self.memory.probe.bound_active(min(self.mlx_limit_bytes(), live))
 
     def _set_aside_runtime(self) -> bool:
         """The process itself holds more than MLX counts (on the H200 NVML's figure for the

@@ -210,6 +210,19 @@ def test_mlx_may_hold_weights_baseline_and_budget_before_it_waits_for_the_device
     assert probe.active_limit == memory.idle_active_bytes + 100 * MIB
 
 
+def test_mlx_limit_shrinks_to_what_the_device_has_free_while_another_process_holds_memory() -> None:
+    gate, probe = make_gate()
+    full = probe.active_limit
+    gate.reserve(gate.can_admit(view(), 1000, 100))
+    probe.cache_bytes = 20 * MIB
+    probe.system_available_bytes = 150 * MIB  # another app took the rest of the machine
+    gate.pressure(view(1100), 512, now=1.0)
+    assert probe.active_limit == WEIGHTS + 20 * MIB + 150 * MIB < full
+    probe.system_available_bytes = 1 << 40    # it left: MLX may hold the whole budget again
+    gate.pressure(view(1100), 512, now=2.0)
+    assert probe.active_limit == full
+
+
 def test_without_admission_mlx_memory_limit_is_left_alone() -> None:
     gate, probe = make_gate(admission=False)
     gate.rebase(view())
