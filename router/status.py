@@ -156,7 +156,7 @@ def _summed(maps: Any) -> dict[str, int]:
 
 
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
-                 "headroom_bytes", "reserved_bytes")
+                 "headroom_bytes", "reserved_bytes", "mlx_limit_bytes")
 # The worker report's fields the status page shows (the rest stays in /v1/memory).
 PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device",
                                       "context_length", "max_request_tokens", "running",

@@ -12,6 +12,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.integration.conftest import Router
 
 
@@ -41,6 +43,10 @@ def test_the_first_request_is_within_twice_a_warm_ones_time_to_first_token(
         # waits for the device: within the worker's limit, never MLX's far larger default.
         assert report["weights_bytes"] + report["budget_bytes"] <= report["mlx_limit_bytes"] \
             <= report["limit_bytes"], report
+        gauges = {s.labels["field"]: s.value
+                  for family in text_string_to_metric_families(router.http.get("/metrics").text)
+                  if family.name == "headroom_worker_memory_bytes" for s in family.samples}
+        assert gauges["mlx_limit_bytes"] == report["mlx_limit_bytes"], gauges
         assert "warm start in" in router.log()
         first = first_token_seconds(router, 0)
         warm = statistics.median(first_token_seconds(router, i) for i in (1, 2, 3))
