@@ -270,7 +270,6 @@ class MemoryGate:
         self._caught_errors: list[float] = []
         self._in_order_next = False
         self._checked_at = -math.inf
-        self._queued_ahead: bool | None = None  # the last in-order check's verdict
         self.in_order_checks = 0            # steps run in order to tell need from queued kernels
         self.queued_ahead_seen = 0          # ... whose peak was within prediction after all
         memory.model = self.fitted
@@ -537,8 +536,8 @@ class MemoryGate:
         measured = peak - mem.idle_active_bytes - cached
         if in_order:
             self.in_order_checks += 1
-            self._queued_ahead = measured <= predicted_fitted * self.tracker.scale
-            self.queued_ahead_seen += self._queued_ahead
+            if measured <= predicted_fitted * self.tracker.scale:
+                self.queued_ahead_seen += 1
         elif self._maybe_queued_ahead(peak, measured, predicted_fitted, now):
             return False
         changed = self.tracker.observe(measured, predicted_fitted, now)
@@ -554,14 +553,12 @@ class MemoryGate:
         """A peak that would grow the scale but stayed within MLX's limit: kernels queued
         ahead into free memory look the same as need. Not counted; the next step runs in
         order and decides (a peak past MLX's limit is need: nothing queues past it). At most
-        every IN_ORDER_CHECK_INTERVAL_S; between checks the last check's verdict stands
-        (with none yet, such a peak counts as it always did)."""
+        every IN_ORDER_CHECK_INTERVAL_S; between checks such a peak counts as before."""
         limit = self.memory.probe.memory_limit()
         if (not self.admission or predicted_fitted <= 0 or limit is None or peak > limit
-                or measured <= predicted_fitted * self.tracker.scale):
+                or measured <= predicted_fitted * self.tracker.scale
+                or now - self._checked_at < IN_ORDER_CHECK_INTERVAL_S):
             return False
-        if now - self._checked_at < IN_ORDER_CHECK_INTERVAL_S:
-            return bool(self._queued_ahead)
         self._checked_at = now
         self._in_order_next = True
         log.debug("step peak x%.2f over prediction, within MLX's limit: the next step runs in order "
