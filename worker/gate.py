@@ -13,9 +13,7 @@ the engine only through an ``EngineView``; it never touches a socket or MLX. The
   chunk, then evict the newest requests.
 - ``observe_step`` keeps the cost model honest: a step above its prediction grows the
   scale at once; steps below it let the scale decay back toward what is measured, never
-  below the fitted model (``ScaleTracker``). A peak over prediction that stayed within
-  MLX's memory limit may be kernels queued ahead into free memory rather than need; the
-  next step then runs in order (``take_in_order``) and its peak decides.
+  below the fitted model (``ScaleTracker``).
 - ``memory_error`` handles a caught out-of-memory error; ``is_memory_error`` says which
   exceptions are one (anything else is a bug, not a reason to blame memory).
 
@@ -67,11 +65,6 @@ SCALE_HALF_LIFE_S = 20.0
 SCALE_STEP = 0.02
 # Scale changes kept for /v1/memory.
 SCALE_HISTORY = 32
-# A step over its prediction whose peak stayed within MLX's memory limit may have been
-# kernels queued ahead of the device into free memory, not need (on the H200 a forward's
-# buffers add up to ten times its need that way: bench/README.md, "Run-ahead"); the next
-# step runs in order to tell, at most this often (a step run in order took 0-46 % longer).
-IN_ORDER_CHECK_INTERVAL_S = 10.0
 # The runtime's excess over MLX's count is set aside once it is at least this big, with
 # this much more (so a transient that creeps up is charged a few times, not every step).
 RUNTIME_MIN_BYTES = 4 << 20
@@ -268,10 +261,6 @@ class MemoryGate:
         self._pressure_unlogged = 0
         self._pressure_open = False         # the last WARNING said "began" or "held"
         self._caught_errors: list[float] = []
-        self._in_order_next = False
-        self._checked_at = -math.inf
-        self.in_order_checks = 0            # steps run in order to tell need from queued kernels
-        self.queued_ahead_seen = 0          # ... whose peak was within prediction after all
         memory.model = self.fitted
         self.bound_pool()
 
@@ -526,20 +515,12 @@ class MemoryGate:
         before = costmodel.batch_cost_bytes(m, previous.rows, previous.longest, 0, 0, 0) if previous else 0
         return max(now, before) + view.joining_bytes
 
-    def observe_step(self, predicted_fitted: int, now: float, *, in_order: bool = False) -> bool:
-        """Compare the step's measured peak with the prediction. True: the model changed.
-        ``in_order``: the step ran with MLX's limit at what was live (``take_in_order``)."""
+    def observe_step(self, predicted_fitted: int, now: float) -> bool:
+        """Compare the step's measured peak with the prediction. True: the model changed."""
         mem = self.memory
         # The prefix cache's entries are not the batch's: before the step, and any it stored.
         cached = max(self._resident_at_step, self.cache.ledger().held_bytes)
-        peak = mem.probe.step_peak()
-        measured = peak - mem.idle_active_bytes - cached
-        if in_order:
-            self.in_order_checks += 1
-            if measured <= predicted_fitted * self.tracker.scale:
-                self.queued_ahead_seen += 1
-        elif self._maybe_queued_ahead(peak, measured, predicted_fitted, now):
-            return False
+        measured = mem.probe.step_peak() - mem.idle_active_bytes - cached
         changed = self.tracker.observe(measured, predicted_fitted, now)
         mem.worst_measured_over_predicted = self.tracker.worst_ratio
         if changed:
@@ -548,27 +529,6 @@ class MemoryGate:
             log.debug("step peak %d B, fitted prediction %d B (x%.2f)", measured, predicted_fitted,
                       measured / predicted_fitted)
         return changed
-
-    def _maybe_queued_ahead(self, peak: int, measured: int, predicted_fitted: int, now: float) -> bool:
-        """A peak that would grow the scale but stayed within MLX's limit: kernels queued
-        ahead into free memory look the same as need. Not counted; the next step runs in
-        order and decides (a peak past MLX's limit is need: nothing queues past it). At most
-        every IN_ORDER_CHECK_INTERVAL_S; between checks such a peak counts as before."""
-        limit = self.memory.probe.memory_limit()
-        if (not self.admission or predicted_fitted <= 0 or limit is None or peak > limit
-                or measured <= predicted_fitted * self.tracker.scale
-                or now - self._checked_at < IN_ORDER_CHECK_INTERVAL_S):
-            return False
-        self._checked_at = now
-        self._in_order_next = True
-        log.debug("step peak x%.2f over prediction, within MLX's limit: the next step runs in order "
-                  "to tell need from kernels queued ahead", measured / predicted_fitted)
-        return True
-
-    def take_in_order(self) -> bool:
-        """Whether the coming step is to run in order (MLX's limit at what is live), once."""
-        wanted, self._in_order_next = self._in_order_next, False
-        return wanted
 
     def memory_error(self, now: float) -> bool:
         """A caught memory error: nothing is promised any more (the rows were failed), the
@@ -615,5 +575,4 @@ class MemoryGate:
         """The scale and its recent changes, each as [seconds ago, scale, why]."""
         return {"scale": round(self.tracker.scale, 4),
                 "scale_history": [[round(now - c.at, 1), c.scale, c.why] for c in self.tracker.history],
-                "pressure_changes": self.pressure_changes,
-                "in_order_checks": self.in_order_checks, "queued_ahead_seen": self.queued_ahead_seen}
+                "pressure_changes": self.pressure_changes}

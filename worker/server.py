@@ -404,32 +404,24 @@ class WorkerServer:
         view = self._size_chunk()
         predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
         self._previous = view
-        in_order = self.gate.take_in_order()
-        if in_order:  # MLX waits at what is live: the peak is the step's need, nothing queued ahead
-            self.memory.probe.bound_active(self.memory.refresh().active_bytes)
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
             self._guard()
         except Exception as exc:
             return self._failed(exc)
-        finally:
-            if in_order:
-                self.gate.bound_pool()  # MLX's limit back to the budget's
         elapsed = time.perf_counter() - started
         self.timing.steps += 1
         self.timing.engine_s += elapsed
-        if self.gate.observe_step(predicted, self.clock(), in_order=in_order):
+        if self.gate.observe_step(predicted, self.clock()):
             self._changed = True
         self._worst_step_s = max(self._worst_step_s, elapsed)
         if elapsed > SLOW_STEP_S:
             log.info("slow step %d: %.3f s, %d rows (%d prefilling %d tokens in a chunk of %d), "
                      "longest %d tokens", self.engine.num_steps, elapsed, view.rows, view.prefill_rows,
                      self.engine.last_prefilled_tokens, self.chunk_tokens, view.longest)
-        # The calls made for first tokens are a decode's work, not the chunk's; a step run in
-        # order is slower than this device's speed.
-        if not in_order:
-            self.pacer.observe(self.engine.last_prefilled_tokens, elapsed - self.engine.last_chained_s)
+        # The calls made for first tokens are a decode's work, not the chunk's.
+        self.pacer.observe(self.engine.last_prefilled_tokens, elapsed - self.engine.last_chained_s)
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())

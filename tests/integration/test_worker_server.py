@@ -167,37 +167,3 @@ def test_mlx_memory_limit_is_set_before_the_first_forward(
         assert limit is not None and budget < limit <= 512 * MIB
     else:
         assert limit is None
-
-
-def test_a_step_the_gate_wants_in_order_runs_with_mlx_limit_at_what_is_live(loaded: object, tmp_path: Path) -> None:
-    """After a peak over prediction within MLX's limit, the next step runs with MLX's limit
-    at what is live (nothing queued ahead: its peak is need), then the limit goes back to
-    the budget's; that step's time does not teach the pacer."""
-    server, probe, _ = make_server(loaded, tmp_path)
-    try:
-        server.admit(Generate(incarnation=1, request_id="r1", prompt_ids=[3 + i for i in range(40)],
-                              max_tokens=4, sampling=SamplingParams(temperature=0, ignore_eos=True)))
-        full = probe.active_limit
-        assert full == server.gate.mlx_limit_bytes()
-        probe.active_bytes += 50 * MIB   # a peak far over a 1 MiB prediction, within the limit
-        assert not server.gate.observe_step(predicted_fitted=MIB, now=server.clock())
-        probe.active_bytes -= 50 * MIB
-        during: list[int | None] = []
-        real_step = server.engine.step
-
-        def step() -> list[Output]:
-            during.append(probe.active_limit)
-            return real_step()
-
-        server.engine.step = step  # type: ignore[method-assign]
-        taught: list[float] = []
-        server.pacer.observe = lambda tokens, seconds: taught.append(seconds)  # type: ignore[method-assign]
-        server.step()
-        assert during == [probe.active_bytes]            # MLX waited at what was live
-        assert probe.active_limit == full                # and got the budget's limit back
-        assert server.gate.in_order_checks == 1 and taught == []
-        server.step()
-        assert during[-1] == full and len(taught) == 1   # one step only
-    finally:
-        server.sock.close(0)
-        server.ctx.term()

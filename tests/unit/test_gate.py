@@ -17,7 +17,7 @@ from common import costmodel
 from common.costmodel import CostModel
 from common.protocol import RejectReason
 from worker.gate import (
-    CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, IN_ORDER_CHECK_INTERVAL_S, SCALE_WINDOW_S, CacheLedger, EngineView, MemoryGate, ScaleTracker,
+    CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, CacheLedger, EngineView, MemoryGate, ScaleTracker,
     is_memory_error, moved_budget,
 )
 from worker.memory import FakeProbe, MemoryState
@@ -383,52 +383,12 @@ def test_observe_step_applies_the_scale_to_the_model_admission_uses() -> None:
     gate, probe = make_gate()
     before = costmodel.max_request_tokens(gate.model)
     probe.active_bytes = WEIGHTS + 300 * MIB  # the step peaked far above
-    # Within MLX's limit that may be kernels queued ahead: the next step runs in order...
-    assert not gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
-    assert gate.take_in_order() and not gate.take_in_order()
-    assert gate.model.scale == 1.0
-    # ... and peaks as far above: need, not queueing.
-    assert gate.observe_step(predicted_fitted=100 * MIB, now=1.1, in_order=True)
+    assert gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
     assert gate.model.scale == pytest.approx(3.0 * GROWTH_MARGIN)
     assert gate.fitted.scale == 1.0
     assert costmodel.max_request_tokens(gate.model) < before
     assert gate.memory.worst_measured_over_predicted == pytest.approx(3.0)
     assert gate.scale_report(now=2.0)["scale"] == pytest.approx(3.0 * GROWTH_MARGIN, rel=1e-3)
-    assert gate.scale_report(now=2.0)["in_order_checks"] == 1
-
-
-def test_a_peak_past_mlx_limit_grows_the_scale_at_once() -> None:
-    """Nothing is queued past MLX's limit: a peak beyond it is the step's need."""
-    gate, probe = make_gate()
-    probe.active_bytes = probe.active_limit + 50 * MIB
-    assert gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
-    assert not gate.take_in_order()
-    assert gate.model.scale > 1.0
-
-
-def test_kernels_queued_ahead_into_free_memory_do_not_grow_the_scale() -> None:
-    """The H200's case: a step over its prediction within MLX's limit, and the same step
-    run in order within its prediction. Nothing grows; the check is counted."""
-    gate, probe = make_gate()
-    probe.active_bytes = WEIGHTS + 300 * MIB
-    assert not gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
-    assert gate.take_in_order()
-    probe.active_bytes = WEIGHTS + 60 * MIB     # run in order: under its prediction
-    assert not gate.observe_step(predicted_fitted=100 * MIB, now=1.1, in_order=True)
-    report = gate.scale_report(now=2.0)
-    assert (report["scale"], report["in_order_checks"], report["queued_ahead_seen"]) == (1.0, 1, 1)
-
-
-def test_between_in_order_checks_a_peak_over_prediction_counts_as_before() -> None:
-    """At most one in-order step per IN_ORDER_CHECK_INTERVAL_S (each costs time): between
-    them an overshoot grows the scale at once, as it always did."""
-    gate, probe = make_gate()
-    probe.active_bytes = WEIGHTS + 300 * MIB
-    assert not gate.observe_step(predicted_fitted=100 * MIB, now=1.0)
-    gate.take_in_order()
-    assert gate.observe_step(predicted_fitted=100 * MIB, now=1.0 + IN_ORDER_CHECK_INTERVAL_S / 2)
-    assert not gate.take_in_order()
-    assert gate.model.scale == pytest.approx(3.0 * GROWTH_MARGIN)
 
 
 # -- errors -------------------------------------------------------------------------------
