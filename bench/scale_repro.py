@@ -6,8 +6,8 @@ A router on the demo model (``--memory-limit-mb 220 --oom-guard abort``) with it
 cache folder (so no calibration, prefix-cache entry or disk file of an earlier run is
 reused): six ~600-token chats one at a time, then 8 completions of ~640 prompt tokens and
 64 output tokens at once. Prints the statuses, the wall time of the requests, and the
-worker's ``scale`` (with its history), ``max_request_tokens``, in-order checks and
-``peak_bytes / limit_bytes`` from ``/v1/memory``. ``--root`` runs another checkout's code
+worker's ``scale`` (with its history), ``max_request_tokens``, the worst measured /
+predicted step and ``peak_bytes / limit_bytes`` from ``/v1/memory``. ``--root`` runs another checkout's code
 (e.g. an older commit exported with ``git archive``), so two versions can be compared in
 turns on one machine.
 """
@@ -73,7 +73,6 @@ async def drive(url: str) -> dict[str, Any]:
             w = (await r.json())["workers"][0]
     return {"statuses": statuses, "wall_s": round(wall, 1), "scale": w.get("scale"),
             "scale_history": w.get("scale_history"), "max_request_tokens": w.get("max_request_tokens"),
-            "in_order_checks": w.get("in_order_checks"), "queued_ahead_seen": w.get("queued_ahead_seen"),
             "worst_measured_over_predicted": w.get("worst_measured_over_predicted"),
             "peak_over_limit": round(w["peak_bytes"] / w["limit_bytes"], 3)}
 
