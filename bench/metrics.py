@@ -110,8 +110,12 @@ def summarize(runs: list[RunResult]) -> Summary:
     tokens = sum(r.completion_tokens for r in good)
     ttfts = [r.ttft_s for r in good if r.ttft_s is not None]
     itls = [gap for r in good for gap in r.itls_s]
+    # Time per output token after the first needs a second chunk: a request whose tokens all
+    # came in one chunk (a router that fell behind its client writes what waits as one) has
+    # no such time, not a time of 0.
     tpots = [(r.last_chunk_s - r.ttft_s) / (r.completion_tokens - 1) for r in good
-             if r.last_chunk_s is not None and r.ttft_s is not None and r.completion_tokens > 1]
+             if r.last_chunk_s is not None and r.ttft_s is not None and r.completion_tokens > 1
+             and r.num_chunks > 1]
     by_rep = [sum(r.completion_tokens for r in run.requests if r.ok) / run.wall_s
               if run.wall_s > 0 else math.nan for run in runs]
     errors = [r.error or "unknown error" for r in requests if not r.ok]

@@ -326,7 +326,7 @@ class MemoryGate:
             ledger = self.cache.ledger()
             self.memory.probe.bound_cache(self.model.budget_bytes - self.memory.reserved_bytes
                                           - ledger.held_bytes)
-            self.memory.probe.bound_active(self.mlx_limit_bytes())
+            self._follow_device()
 
     def mlx_limit_bytes(self) -> int:
         """What MLX's allocator may hold: the weights, its idle baseline and the budget."""
@@ -427,10 +427,10 @@ class MemoryGate:
         before it allocates past its limit) and what the device or system has free: while
         another process (on a Mac, another app) holds memory the budget counted on, kernels
         queued ahead wait instead of taking memory that is no longer there."""
-        r = self.memory.last
+        limit, r = self.mlx_limit_bytes(), self.memory.last
         if r is not None:
-            live = r.active_bytes + r.cache_bytes + r.system_available_bytes
-            self.memory.probe.bound_active(min(self.mlx_limit_bytes(), live))
+            limit = min(limit, r.active_bytes + r.cache_bytes + r.system_available_bytes)
+        self.memory.probe.bound_active(limit)
 
     def _set_aside_runtime(self) -> bool:
         """The process itself holds more than MLX counts (on the H200 NVML's figure for the

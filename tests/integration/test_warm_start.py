@@ -39,10 +39,10 @@ def test_the_first_request_is_within_twice_a_warm_ones_time_to_first_token(
         router = fresh_router()
         report = router.memory()["workers"][0]
         assert report["warmup_s"] > 0
-        # MLX may hold the weights, its idle baseline and the budget before its evaluation
-        # waits for the device: within the worker's limit, never MLX's far larger default.
-        assert report["weights_bytes"] + report["budget_bytes"] <= report["mlx_limit_bytes"] \
-            <= report["limit_bytes"], report
+        # MLX may hold the weights, its idle baseline and the budget (less, while the system
+        # has less free) before its evaluation waits for the device: within the worker's
+        # limit, never MLX's own default (on this CPU backend above the worker's 60 % of RAM).
+        assert report["weights_bytes"] < report["mlx_limit_bytes"] <= report["limit_bytes"], report
         gauges = {s.labels["field"]: s.value
                   for family in text_string_to_metric_families(router.http.get("/metrics").text)
                   if family.name == "headroom_worker_memory_bytes" for s in family.samples}

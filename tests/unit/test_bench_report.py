@@ -28,6 +28,18 @@ def _run(system: str, tps: float, c: int = 1, ttft_s: float = 0.05, cpu_s: float
                      requests=requests, cpu_s=cpu_s)
 
 
+def test_tokens_that_all_came_in_one_chunk_have_no_time_per_output_token() -> None:
+    """Not 0: the gap after the first token was never seen (the router wrote all at once)."""
+    one = RequestResult(ok=True, ttft_s=0.05, itls_s=[], completion_tokens=12, num_chunks=1,
+                        latency_s=0.05, last_chunk_s=0.05)
+    run = RunResult(system="a", concurrency=1, repetition=0, wall_s=1.0, requests=[one], cpu_s=0.1)
+    s = summarize([run])
+    assert math.isnan(s.tpot_ms) and math.isnan(s.itl_p50_ms) and s.chunks_per_request == 1
+    both = summarize([RunResult(system="a", concurrency=1, repetition=0, wall_s=1.0,
+                                requests=[one, _req(0.05)], cpu_s=0.1)])
+    assert both.tpot_ms == pytest.approx(10.0)  # only the request that streamed counts
+
+
 def test_percentile_interpolates_between_ranks() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)

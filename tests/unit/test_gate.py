@@ -218,6 +218,8 @@ def test_mlx_limit_shrinks_to_what_the_device_has_free_while_another_process_hol
     probe.system_available_bytes = 150 * MIB  # another app took the rest of the machine
     gate.pressure(view(1100), 512, now=1.0)
     assert probe.active_limit == WEIGHTS + 20 * MIB + 150 * MIB < full
+    gate.rebase(view(1100))                   # a promise changing keeps to the device's figure
+    assert probe.active_limit == WEIGHTS + 20 * MIB + 150 * MIB
     probe.system_available_bytes = 1 << 40    # it left: MLX may hold the whole budget again
     gate.pressure(view(1100), 512, now=2.0)
     assert probe.active_limit == full
