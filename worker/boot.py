@@ -101,9 +101,13 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4
+    # The calibrated model replaces the static one below (the budget is the same).
+    memory = MemoryState(probe=probe, model=static, weights_bytes=shape.weights_bytes,
+                         baseline_bytes=baseline,
+                         active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
     # From the first forward (the probe's, the warm start's) kernels queued ahead of the
     # device wait at the limit rather than pass it; the gate keeps this up to date later.
-    mlx_limit = None if cfg.unsafe_no_admission else max(shape.weights_bytes, idle.active_bytes) + static.budget_bytes
+    mlx_limit = None if cfg.unsafe_no_admission else memory.mlx_limit_bytes
     if mlx_limit is not None:
         probe.bound_active(mlx_limit)
     if group is not None:
@@ -115,9 +119,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     max_tokens = costmodel.max_request_tokens(model)
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, baseline))
-    memory = MemoryState(probe=probe, model=model, weights_bytes=shape.weights_bytes,
-                         baseline_bytes=baseline,
-                         active_baseline_bytes=max(0, idle.active_bytes - shape.weights_bytes))
+    memory.model = model
     memory.extra["calibration"] = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),

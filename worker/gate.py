@@ -328,10 +328,6 @@ class MemoryGate:
                                           - ledger.held_bytes)
             self._follow_device()
 
-    def mlx_limit_bytes(self) -> int:
-        """What MLX's allocator may hold: the weights, its idle baseline and the budget."""
-        return self.memory.idle_active_bytes + self.fitted.budget_bytes
-
     def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
                                   view.prefilling, self.free_bytes())
@@ -427,7 +423,7 @@ class MemoryGate:
         before it allocates past its limit) and what the device or system has free: while
         another process (on a Mac, another app) holds memory the budget counted on, kernels
         queued ahead wait instead of taking memory that is no longer there."""
-        limit, r = self.mlx_limit_bytes(), self.memory.last
+        limit, r = self.memory.mlx_limit_bytes, self.memory.last
         if r is not None:
             limit = min(limit, r.active_bytes + r.cache_bytes + r.system_available_bytes)
         self.memory.probe.bound_active(limit)

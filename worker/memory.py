@@ -315,6 +315,12 @@ class MemoryState:
         return self.weights_bytes + extra
 
     @property
+    def mlx_limit_bytes(self) -> int:
+        """What MLX's allocator may hold before its evaluation waits for the device: the
+        weights, its idle baseline and the budget (``DeviceProbe.bound_active``)."""
+        return self.idle_active_bytes + self.model.budget_bytes
+
+    @property
     def outside_bytes(self) -> int:
         """The idle baseline MLX's allocator does not count (on CUDA: the context, loaded
         kernels, library workspaces)."""
