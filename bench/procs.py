@@ -58,6 +58,7 @@ class ServerProcess:
         self.name = name
         self.argv = argv
         self.env = env
+        self.cwd = ROOT  # another checkout's folder runs that checkout's code (`python -m`)
         self.log_path = log_path
         self.health_url = health_url
         self.popen: subprocess.Popen[bytes] | None = None
@@ -66,7 +67,7 @@ class ServerProcess:
     def start(self) -> None:
         log.info("starting %s: %s", self.name, " ".join(self.argv))
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(self.argv, env=self.env, cwd=ROOT, stdin=subprocess.DEVNULL,
+        self.popen = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
 
