@@ -151,6 +151,18 @@ def _run(argv: list[str]) -> str:
 
 # --- build ------------------------------------------------------------------------------
 
+def run_module(args: argparse.Namespace, title: str, module_argv: list[str]) -> str:
+    """``python -m`` one of this checkout's modules within the part's timeout, its output
+    appended to ``logs.txt``; its stdout, or RuntimeError with the tail of its stderr."""
+    proc = subprocess.run([sys.executable, "-m", *module_argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=args.part_timeout_s)
+    with open(args.out / "logs.txt", "a") as fh:
+        fh.write(f"\n===== {title} =====\n{proc.stderr[-20000:]}{proc.stdout}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{title} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
 def part_build(args: argparse.Namespace) -> dict[str, Any]:
     from bench import gpumodel
 
@@ -158,13 +170,7 @@ def part_build(args: argparse.Namespace) -> dict[str, Any]:
     if manifest.is_file():
         return {"reused": True, **json.loads(manifest.read_text())}
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "bench.gpumodel", "--out", str(args.model_dir),
-                           *(["--tiny"] if args.tiny else [])], cwd=ROOT, capture_output=True,
-                          text=True, timeout=args.part_timeout_s)
-    with open(args.out / "logs.txt", "a") as fh:
-        fh.write(f"\n===== build =====\n{proc.stderr[-20000:]}{proc.stdout}")
-    if proc.returncode != 0:
-        raise RuntimeError(f"model build failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    run_module(args, "build", ["bench.gpumodel", "--out", str(args.model_dir), *(["--tiny"] if args.tiny else [])])
     return {"reused": False, "wall_s": round(time.monotonic() - started, 2), **json.loads(manifest.read_text())}
 
 
@@ -172,15 +178,10 @@ def part_build(args: argparse.Namespace) -> dict[str, Any]:
 
 def part_shape(args: argparse.Namespace) -> dict[str, Any]:
     path = args.out / "shape-points.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.calshape", "--model", str(args.model_dir),
-                           "--out", str(path), *args.shape_arg], cwd=ROOT, capture_output=True,
-                          text=True, timeout=args.part_timeout_s)
-    with open(args.out / "logs.txt", "a") as fh:
-        fh.write(f"\n===== shape =====\n{proc.stderr[-20000:]}{proc.stdout}")
-    if proc.returncode != 0:
-        raise RuntimeError(f"calshape failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    out = run_module(args, "shape", ["bench.calshape", "--model", str(args.model_dir), "--out", str(path),
+                                     *args.shape_arg])
     doc = json.loads(path.read_text())
-    return {"table": proc.stdout.split("\n{")[0], **{k: v for k, v in doc.items() if k != "points"}}
+    return {"table": out.split("\n{")[0], **{k: v for k, v in doc.items() if k != "points"}}
 
 
 # --- routers ----------------------------------------------------------------------------
