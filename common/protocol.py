@@ -37,6 +37,7 @@ __all__ = [
     "Tokens",
     "TokenRow",
     "Reject",
+    "MemoryReport",
     "Status",
     "Heartbeat",
     "Shutdown",
@@ -211,12 +212,58 @@ class Reject:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryReport:
+    """A worker's live memory report: DESIGN's per-worker /v1/memory fields, every one
+    type-checked on arrival. The defaults are what the router assumed before any report
+    (one running request at most, nothing known); a worker always sends every field.
+    The nested groups (``cost_model``, ``calibration``, ``loop``, ``prompt_cache``) are
+    free-form maps: the router shows them and reads ``cost_model`` through ``CostModel``."""
+
+    device: str = ""
+    device_name: str = ""
+    limit_bytes: int = 0
+    budget_bytes: int = 0
+    active_bytes: int = 0
+    cache_bytes: int = 0
+    peak_bytes: int = 0
+    headroom_bytes: int = 0
+    reserved_bytes: int = 0
+    weights_bytes: int = 0
+    baseline_bytes: int = 0
+    runtime_transient_bytes: int = 0
+    mlx_limit_bytes: int | None = None     # read back from MLX; None where it has none
+    system_available_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    safe_prefill_chunk: int = 0
+    max_running_requests: int = 1
+    context_length: int = 0
+    max_request_tokens: int = 0
+    running: int = 0
+    bad_frames: int = 0
+    worst_step_s: float = 0.0
+    worst_measured_over_predicted: float = 0.0
+    scale: float = 1.0
+    scale_history: list[list[float | str]] = field(default_factory=list)  # [seconds ago, scale, why]
+    pressure_changes: int = 0
+    warmup_s: float | None = None
+    reported_at: float = 0.0
+    cost_model: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    loop: dict[str, Any] = field(default_factory=dict)
+    prompt_cache: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of /v1/memory (a shallow copy: the nested maps are shared)."""
+        return _payload_to_map(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Status:
-    """Worker → router: the live memory report (fields as in DESIGN's /v1/memory)."""
+    """Worker → router: the live memory report, at most every 250 ms and on every change."""
 
     type: ClassVar[str] = "status"
     incarnation: int
-    report: dict[str, Any]
+    report: MemoryReport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -295,9 +295,9 @@ class Dispatcher:
 
     def _on_status(self, link: WorkerLink, msg: Status, now: float) -> None:
         link.status, link.status_at, link.held = msg.report, now, False
-        if isinstance(msg.report.get("cost_model"), dict):
+        if msg.report.cost_model:
             # The worker grows its model when it measures more than it predicted.
-            model = CostModel.from_dict(msg.report["cost_model"])
+            model = CostModel.from_dict(msg.report.cost_model)
             if model != link.cost_model:
                 link.cost_model = model
                 self.recheck_queued(link)

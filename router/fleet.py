@@ -277,10 +277,10 @@ class Fleet:
         """A worker's own report replaces the estimate from the model's files."""
         for link in self.dispatcher.links.values():
             report, served = link.status, self.models.get(link.model_alias)
-            if not report or served is None or not isinstance(report.get("limit_bytes"), int):
+            if report is None or served is None or not report.limit_bytes:
                 continue
             m = link.cost_model
-            fixed = max(0, report["limit_bytes"] - m.budget_bytes)
+            fixed = max(0, report.limit_bytes - m.budget_bytes)
             served.learned = Footprint(
                 fixed, costmodel.request_cost_bytes(m, costmodel.MIN_REQUEST_TOKENS - 1, 1),
                 costmodel.request_cost_bytes(m, max(1, m.context_length - 1), 1))
@@ -439,8 +439,8 @@ class Fleet:
         for alias, served in self.models.items():
             links = self.dispatcher.links_of(alias)
             fp = self.footprint(served)
-            used = sum(int((link.status or {}).get("active_bytes", 0) or 0)
-                       + int((link.status or {}).get("cache_bytes", 0) or 0) for link in links)
+            used = sum(link.status.active_bytes + link.status.cache_bytes
+                       for link in links if link.status is not None)
             out.append({
                 "id": alias, "state": self.state_of(served).value, "pinned": served.pinned,
                 "keep_alive_s": served.keep_alive_s, "workers": len(self.live(alias)),

@@ -7,10 +7,9 @@ supervisor judges its liveness, and routing reads its ``view()``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.costmodel import CostModel
-from common.protocol import Hello
+from common.protocol import Hello, MemoryReport
 from router import admission
 from router.job import Job
 from router.supervisor import Liveness
@@ -26,7 +25,7 @@ class WorkerLink:
     cost_model: CostModel
     connected_at: float
     liveness: Liveness
-    status: dict[str, Any] | None = None
+    status: MemoryReport | None = None
     status_at: float = 0.0
     held: bool = False            # it said "not now": wait for a fresh report before sending more
     last_used_at: float = 0.0     # the last dispatch or finish: keep-alive counts from here
@@ -42,9 +41,7 @@ class WorkerLink:
 
     @property
     def max_running(self) -> int:
-        if self.status and isinstance(self.status.get("max_running_requests"), int):
-            return self.status["max_running_requests"]
-        return 1
+        return self.status.max_running_requests if self.status is not None else 1
 
     def view(self, now: float) -> admission.WorkerView:
         return admission.WorkerView(model=self.cost_model, admission=self.hello.admission,

@@ -93,12 +93,11 @@ class PromptCacheMetrics:
     over tiers, hits are every reuse. A RAM miss that the disk served is a RAM miss and a
     disk hit."""
 
-    def __init__(self, reports: Callable[[], list[dict[str, Any]]]) -> None:
-        self._reports = reports
+    def __init__(self, caches: Callable[[], list[dict[str, Any]]]) -> None:
+        self._caches = caches  # each worker's latest ``prompt_cache`` report
 
     def collect(self) -> Iterator[Metric]:
-        caches = [c for r in self._reports() if isinstance(c := r.get("prompt_cache"), dict)
-                  and c.get("enabled")]
+        caches = [c for c in self._caches() if c.get("enabled")]
         if not caches:
             return
         by_tier = [_by_tier(c) for c in caches]
@@ -157,6 +156,8 @@ def _summed(maps: Any) -> dict[str, int]:
 
 MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "peak_bytes",
                  "headroom_bytes", "reserved_bytes", "mlx_limit_bytes")
+# The workers' fields summed into each chart sample.
+SAMPLE_FIELDS = ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes", "headroom_bytes")
 # The worker report's fields the status page shows (the rest stays in /v1/memory).
 PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device",
                                       "context_length", "max_request_tokens", "running",
@@ -185,7 +186,7 @@ class StatusViews:
         self.tokenizer_ready = tokenizer_ready   # (tokenizer path) -> loaded?
         self.warnings = list(warnings or [])
         metrics.registry.register(PromptCacheMetrics(
-            lambda: [link.status for link in dispatcher.links.values() if link.status]))
+            lambda: [link.status.prompt_cache for link in dispatcher.links.values() if link.status]))
 
     def _link(self, incarnation: int | None) -> WorkerLink | None:
         return self.dispatcher.links.get(incarnation) if incarnation is not None else None
@@ -198,9 +199,9 @@ class StatusViews:
             summary["stopping"] = w.stopping
             link = self._link(w.sup.incarnation)
             summary["running"] = len(link.in_flight) if link else 0
-            if link is not None and link.status:
-                summary["headroom_bytes"] = link.status.get("headroom_bytes")
-                summary["max_request_tokens"] = link.status.get("max_request_tokens")
+            if link is not None and link.status is not None:
+                summary["headroom_bytes"] = link.status.headroom_bytes
+                summary["max_request_tokens"] = link.status.max_request_tokens
             out.append(summary)
         return out
 
@@ -255,7 +256,7 @@ class StatusViews:
         for link in self.dispatcher.links.values():
             if link.status is None:
                 continue
-            report = dict(link.status)
+            report = link.status.to_dict()
             report["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
             report["incarnation"] = link.incarnation
             report["model"] = link.model_alias
@@ -281,15 +282,14 @@ class StatusViews:
             gauge.clear()  # workers come and go: no stale series
         for link in self.dispatcher.links.values():
             worker = str(link.hello.pid)
-            report = link.status or {}
+            if link.status is None:
+                continue
+            report = link.status.to_dict()
             for name in MEMORY_GAUGES:
-                value = report.get(name)
-                if isinstance(value, (int, float)):
-                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(value)
+                if report[name] is not None:  # mlx_limit_bytes: None where MLX has no limit
+                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(report[name])
             for name in ("scale", "worst_measured_over_predicted"):
-                value = report.get(name)
-                if isinstance(value, (int, float)):
-                    m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(value)
+                m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(report[name])
         for w in self.fleet.workers.values():
             m.workers.labels(model=w.model, state=w.sup.state.value).inc()
             if w.lease_bytes is not None:
@@ -309,17 +309,11 @@ class StatusViews:
         """One chart point: the latest worker report, the queue, and the token rate."""
         total = self.metrics.registry.get_sample_value("headroom_generated_tokens_total") or 0.0
         links = list(self.dispatcher.links.values())
-        report: dict[str, Any] = {}
-        for link in links:  # the host's total over every worker
-            for f in ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes", "headroom_bytes"):
-                value = _int((link.status or {}).get(f))
-                if value is not None:
-                    report[f] = report.get(f, 0) + value
+        reports = [link.status for link in links if link.status is not None]
+        summed = {f: sum(getattr(r, f) for r in reports) if reports else None for f in SAMPLE_FIELDS}
         sample = Sample(at=round(now, 3), queued=self.dispatcher.num_queued(),
                         running=sum(len(link.in_flight) for link in links),
-                        tokens_per_s=round(self.metrics.history.tokens_per_s(now, total), 2),
-                        **{f: _int(report.get(f)) for f in ("limit_bytes", "active_bytes",
-                           "cache_bytes", "reserved_bytes", "headroom_bytes")})
+                        tokens_per_s=round(self.metrics.history.tokens_per_s(now, total), 2), **summed)
         self.metrics.history.add(sample)
         return sample
 
@@ -366,10 +360,10 @@ class StatusViews:
             worker["running"] = len(link.in_flight) if link else 0
             worker["memory"] = worker["prompt_cache"] = None
             if link is not None and link.status is not None:
-                worker["memory"] = {f: link.status[f] for f in PAGE_MEMORY_FIELDS if f in link.status}
+                report = link.status.to_dict()
+                worker["memory"] = {f: report[f] for f in PAGE_MEMORY_FIELDS}
                 worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
-                cache = link.status.get("prompt_cache")
-                worker["prompt_cache"] = _numbers(cache) if isinstance(cache, dict) else None
+                worker["prompt_cache"] = _numbers(link.status.prompt_cache) if link.status.prompt_cache else None
             out.append(worker)
         return out
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from common.protocol import ExitCode, Heartbeat, Hello, Shutdown
+from common.protocol import ExitCode, Heartbeat, Hello, MemoryReport, Shutdown
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher
@@ -49,11 +49,10 @@ STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our wor
 STDERR_TAIL_LINES = 30
 
 
-def stall_timeout_s(report: dict[str, Any] | None, floor_s: float = STALL_TIMEOUT_S) -> float:
+def stall_timeout_s(report: MemoryReport | None, floor_s: float = STALL_TIMEOUT_S) -> float:
     """A frozen step counter means wedged only well past the slowest step seen so far."""
-    worst = report.get("worst_step_s") if report else None
-    if isinstance(worst, (int, float)) and worst > 0:
-        return max(floor_s, STALL_STEP_FACTOR * float(worst))
+    if report is not None and report.worst_step_s > 0:
+        return max(floor_s, STALL_STEP_FACTOR * report.worst_step_s)
     return floor_s
 
 
@@ -81,7 +80,7 @@ class Liveness:
     def work_started(self, now: float) -> None:
         self.step_changed_at = now
 
-    def verdict(self, now: float, report: dict[str, Any] | None,
+    def verdict(self, now: float, report: MemoryReport | None,
                 stall_floor_s: float = STALL_TIMEOUT_S) -> str | None:
         """Why the worker is to be treated as dead, or None while it is alive."""
         silent_s = now - self.heard_at

@@ -120,7 +120,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     if max_tokens < min(costmodel.MIN_REQUEST_TOKENS, shape.context_length):
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, baseline))
     memory.model = model
-    memory.extra["calibration"] = {
+    memory.calibration = {
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),
         "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
@@ -141,7 +141,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         raise NotEnoughMemory(_breakdown(probe.limit_bytes, shape, model, memory.baseline_bytes))
     refill(engine, model, vocab_size=shape.vocab_size)
     max_tokens = costmodel.max_request_tokens(model)
-    memory.extra["warmup_s"] = round(warm.seconds, 3)
+    memory.warmup_s = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
     hello = Hello(

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from common.costmodel import CostModel, max_request_tokens
+from common.protocol import MemoryReport
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,8 @@ class MemoryState:
     runtime_bytes: int = 0
     worst_measured_over_predicted: float = 0.0
     last: Reading | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)  # the startup fit, as reported
+    warmup_s: float | None = None
 
     @property
     def idle_active_bytes(self) -> int:
@@ -350,34 +352,35 @@ class MemoryState:
         r = self.last or self.refresh()
         return max(0, min(self.probe.limit_bytes - self.used_bytes(r), r.system_available_bytes))
 
-    def report(self, *, running: int, max_running: int) -> dict[str, Any]:
-        """The Status report: DESIGN's /v1/memory fields, plus the cost model."""
+    def report(self, *, running: int, max_running: int) -> MemoryReport:
+        """The memory part of the Status report (the server adds its loop's figures)."""
         r = self.refresh()
-        return {
-            "device": self.probe.device,
-            "device_name": getattr(self.probe, "device_name", self.probe.device),
-            "limit_bytes": self.probe.limit_bytes,
-            "budget_bytes": self.model.budget_bytes,
-            "active_bytes": r.active_bytes,
-            "cache_bytes": r.cache_bytes,
-            "peak_bytes": r.peak_bytes,
-            "headroom_bytes": self.headroom_bytes(),
-            "reserved_bytes": self.reserved_bytes,
-            "weights_bytes": self.weights_bytes,
-            "baseline_bytes": self.baseline_bytes,
-            "runtime_transient_bytes": self.runtime_bytes,
-            "kv_bytes_per_token": self.model.kv_bytes_per_token,
-            "safe_prefill_chunk": self.model.prefill_step_tokens,
-            "max_running_requests": max_running,
-            "context_length": self.model.context_length,
-            "max_request_tokens": max_request_tokens(self.model),
-            "running": running,
-            "system_available_bytes": r.system_available_bytes,
-            "worst_measured_over_predicted": round(self.worst_measured_over_predicted, 4),
-            "reported_at": time.time(),
-            "cost_model": self.model.to_dict(),
-            **self.extra,
-        }
+        return MemoryReport(
+            device=self.probe.device,
+            device_name=getattr(self.probe, "device_name", self.probe.device),
+            limit_bytes=int(self.probe.limit_bytes),
+            budget_bytes=int(self.model.budget_bytes),
+            active_bytes=int(r.active_bytes),
+            cache_bytes=int(r.cache_bytes),
+            peak_bytes=int(r.peak_bytes),
+            headroom_bytes=int(self.headroom_bytes()),
+            reserved_bytes=int(self.reserved_bytes),
+            weights_bytes=int(self.weights_bytes),
+            baseline_bytes=int(self.baseline_bytes),
+            runtime_transient_bytes=int(self.runtime_bytes),
+            kv_bytes_per_token=int(self.model.kv_bytes_per_token),
+            safe_prefill_chunk=int(self.model.prefill_step_tokens),
+            max_running_requests=max_running,
+            context_length=int(self.model.context_length),
+            max_request_tokens=int(max_request_tokens(self.model)),
+            running=running,
+            system_available_bytes=int(r.system_available_bytes),
+            worst_measured_over_predicted=round(self.worst_measured_over_predicted, 4),
+            reported_at=time.time(),
+            cost_model=self.model.to_dict(),
+            calibration=self.calibration,
+            warmup_s=self.warmup_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)

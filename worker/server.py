@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -532,16 +532,16 @@ class WorkerServer:
             return
         self._changed = False
         self._status_sent_at = now
-        report = self.memory.report(running=len(self.engine.running), max_running=self.opts.max_running)
-        report.update(self.gate.scale_report(self.clock()))
-        report["step"] = self.engine.num_steps
-        report["bad_frames"] = self.num_bad_frames
-        report["worst_step_s"] = round(self._worst_step_s, 4)
-        report["loop"] = self.timing.to_dict()
-        report["safe_prefill_chunk"] = self.chunk_tokens
-        # What MLX may hold before its evaluation waits for the device, read back from MLX.
-        report["mlx_limit_bytes"] = self.memory.probe.memory_limit()
-        report["prompt_cache"] = self.cache.report() if self.cache is not None else {"enabled": False}
+        report = replace(
+            self.memory.report(running=len(self.engine.running), max_running=self.opts.max_running),
+            **self.gate.scale_report(self.clock()),
+            bad_frames=self.num_bad_frames,
+            worst_step_s=round(self._worst_step_s, 4),
+            loop=self.timing.to_dict(),
+            safe_prefill_chunk=self.chunk_tokens,
+            # What MLX may hold before its evaluation waits for the device, read back from MLX.
+            mlx_limit_bytes=self.memory.probe.memory_limit(),
+            prompt_cache=self.cache.report() if self.cache is not None else {"enabled": False})
         self.send(Status(incarnation=self.opts.incarnation, report=report))
 
     def send(self, msg: Any) -> None:

@@ -288,4 +288,4 @@ def reported_bad(sock: zmq.Socket) -> int:
             return -1
         msg = decode(sock.recv_multipart()[1])
         if isinstance(msg, Status):
-            return int(msg.report.get("bad_frames", 0))
+            return msg.report.bad_frames

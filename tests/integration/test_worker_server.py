@@ -72,8 +72,8 @@ def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_
         assert cache.max_bytes == int(server.gate.model.budget_bytes * 0.5)  # the RAM tier follows
         assert server._changed                                              # the router hears of it
         report = server.memory.report(running=1, max_running=8)
-        assert report["cost_model"]["budget_bytes"] == server.gate.model.budget_bytes
-        assert report["runtime_transient_bytes"] == server.memory.runtime_bytes
+        assert report.cost_model["budget_bytes"] == server.gate.model.budget_bytes
+        assert report.runtime_transient_bytes == server.memory.runtime_bytes
         # The request still runs to its end.
         done = []
         for _ in range(400):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.costmodel import CostModel
-from common.protocol import Heartbeat, Hello, TokenRow, Tokens
+from common.protocol import Heartbeat, Hello, MemoryReport, TokenRow, Tokens
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, Sampling, TokenEvent
 from router.status import Metrics
@@ -75,11 +75,11 @@ def test_worker_lost_requeues_jobs_without_output_once(dispatcher: tuple[Dispatc
 
 def test_stall_timeout_follows_the_slowest_step() -> None:
     assert stall_timeout_s(None) == 10.0
-    assert stall_timeout_s({"worst_step_s": 0.1}) == 10.0
-    assert stall_timeout_s({"worst_step_s": 4.0}) == 20.0
+    assert stall_timeout_s(MemoryReport(worst_step_s=0.1)) == 10.0
+    assert stall_timeout_s(MemoryReport(worst_step_s=4.0)) == 20.0
     # --stall-timeout moves the floor; the slowest step still raises it.
-    assert stall_timeout_s({"worst_step_s": 0.1}, 2.0) == 2.0
-    assert stall_timeout_s({"worst_step_s": 4.0}, 2.0) == 20.0
+    assert stall_timeout_s(MemoryReport(worst_step_s=0.1), 2.0) == 2.0
+    assert stall_timeout_s(MemoryReport(worst_step_s=4.0), 2.0) == 20.0
 
 
 def test_a_lower_stall_timeout_judges_a_frozen_counter_sooner() -> None:
@@ -101,7 +101,7 @@ def _submit_to_worker_7(d: Dispatcher, enqueued_at: float = 0.0) -> Job:
 def _status(incarnation: int) -> object:
     from common.protocol import Status
 
-    return Status(incarnation=incarnation, report={"max_running_requests": 4})
+    return Status(incarnation=incarnation, report=MemoryReport(max_running_requests=4))
 
 
 def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tuple[Dispatcher, Clock]) -> None:
@@ -114,7 +114,7 @@ def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tup
     from common.protocol import Status
 
     d, clock = dispatcher
-    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0}))  # hold everything
+    d._handle(b"w7", Status(incarnation=7, report=MemoryReport(max_running_requests=0)))  # hold everything
     small = Job(request_id="small", prompt_ids=[1] * 100, sampling=Sampling(max_tokens=100),
                 deadline=1e9, enqueued_at=0.0, model="m")
     big = Job(request_id="big", prompt_ids=[1] * 3000, sampling=Sampling(max_tokens=1000),
@@ -128,8 +128,8 @@ def test_queued_requests_are_rechecked_when_the_cost_model_grows(dispatcher: tup
         scale *= 1.5
     grown = dataclasses.replace(MODEL, scale=scale)
     assert not costmodel.never_fits(grown, 100, 100)
-    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0,
-                                                   "cost_model": grown.to_dict()}))
+    d._handle(b"w7", Status(incarnation=7, report=MemoryReport(
+        max_running_requests=0, cost_model=grown.to_dict())))
     event = big.events.get_nowait()
     assert isinstance(event, InsufficientMemory)
     assert event.extra["needed_bytes"] == costmodel.request_cost_bytes(grown, 3000, 1000)
@@ -155,7 +155,7 @@ def _two_workers_four_jobs(d: Dispatcher) -> list[Job]:
 
     d._handle(b"w8", _hello(8))
     for incarnation in (7, 8):
-        d._handle(b"w", Status(incarnation=incarnation, report={"max_running_requests": 4}))
+        d._handle(b"w", Status(incarnation=incarnation, report=MemoryReport(max_running_requests=4)))
     jobs = [_job(f"r{i}") for i in range(4)]
     for job in jobs:
         d.submit(job)
@@ -185,7 +185,7 @@ def test_a_retiring_worker_gets_no_new_job(dispatcher: tuple[Dispatcher, Clock])
     from common.protocol import Status
 
     d, clock = dispatcher
-    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 4}))
+    d._handle(b"w7", Status(incarnation=7, report=MemoryReport(max_running_requests=4)))
     d.links[7].retiring = True
     job = _job("r1")
     d.submit(job)
@@ -204,7 +204,7 @@ def test_a_room_left_default_shrinks_with_the_room_rather_than_fail(
     from router.admission import room_left
 
     d, _ = dispatcher
-    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0}))  # hold everything
+    d._handle(b"w7", Status(incarnation=7, report=MemoryReport(max_running_requests=0)))  # hold everything
     prompt = [1] * 3000
     defaulted = Job(request_id="room", prompt_ids=prompt, room_left=True, deadline=1e9,
                     enqueued_at=0.0, model="m",
@@ -217,8 +217,8 @@ def test_a_room_left_default_shrinks_with_the_room_rather_than_fail(
     while not costmodel.never_fits(dataclasses.replace(MODEL, scale=scale), 3000, 1000):
         scale *= 1.5
     grown = dataclasses.replace(MODEL, scale=scale)
-    d._handle(b"w7", Status(incarnation=7, report={"max_running_requests": 0,
-                                                   "cost_model": grown.to_dict()}))
+    d._handle(b"w7", Status(incarnation=7, report=MemoryReport(
+        max_running_requests=0, cost_model=grown.to_dict())))
     assert isinstance(asked.events.get_nowait(), InsufficientMemory)
     assert defaulted.state is JobState.QUEUED and defaulted.events.empty()
     assert defaulted.sampling.max_tokens == costmodel.max_new_tokens(grown, 3000) < 1000

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from common.costmodel import CostModel
-from common.protocol import ExitCode, Hello, Limit, Status, Trim
+from common.protocol import ExitCode, Hello, Limit, MemoryReport, Status, Trim
 from router.dispatch import Dispatcher
 from router.fleet import Fleet, ModelState
 from router.job import Job, Sampling
@@ -78,8 +78,8 @@ async def hello_from(fleet: Fleet, dispatcher: Dispatcher, model: str) -> int:
                                              budget_bytes=(w.lease_bytes or 0) - 30 * MIB,
                                              context_length=4096,
                                              prefill_step_tokens=256).to_dict()))
-    dispatcher._handle(b"w", Status(incarnation=incarnation, report={
-        "max_running_requests": 4, "limit_bytes": w.lease_bytes}))
+    dispatcher._handle(b"w", Status(incarnation=incarnation, report=MemoryReport(
+        max_running_requests=4, limit_bytes=w.lease_bytes or 0)))
     return incarnation
 
 

@@ -288,7 +288,7 @@ def test_the_runtimes_own_memory_is_set_aside_once_not_taken_for_pressure(
     assert memory.runtime_bytes >= 400 * MIB
     assert gate.model.budget_bytes == budget - memory.runtime_bytes
     assert gate.fitted.budget_bytes == gate.model.budget_bytes   # the fit itself, not a scale
-    assert memory.report(running=1, max_running=8)["runtime_transient_bytes"] == memory.runtime_bytes
+    assert memory.report(running=1, max_running=8).runtime_transient_bytes == memory.runtime_bytes
     assert probe.pool_limit == max(0, gate.model.budget_bytes - memory.reserved_bytes)  # MLX pool follows
     assert any("setting aside" in r.getMessage() for r in caplog.records)
     # The same excess again: nothing more to learn, no pressure, no new log line.

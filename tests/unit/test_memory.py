@@ -191,7 +191,7 @@ def test_report_has_every_design_field() -> None:
                       system_available_bytes=8 * GIB)
     state = MemoryState(probe=probe, model=model, weights_bytes=64 * MIB, baseline_bytes=0,
                         reserved_bytes=12345, worst_measured_over_predicted=0.876543)
-    report = state.report(running=3, max_running=7)
+    report = state.report(running=3, max_running=7).to_dict()
     missing = DESIGN_MEMORY_FIELDS - set(report)
     assert not missing, f"/v1/memory report lacks {sorted(missing)}"
     assert report["device"] == "fake"
@@ -220,16 +220,16 @@ def test_report_has_every_design_field() -> None:
 def test_report_reads_afresh() -> None:
     probe = FakeProbe(limit_bytes=4 * GIB, active_bytes=GIB)
     state = make_state(probe)
-    state.report(running=0, max_running=1)
+    state.report(running=0, max_running=1).to_dict()
     probe.active_bytes = 3 * GIB
-    report = state.report(running=0, max_running=1)
+    report = state.report(running=0, max_running=1).to_dict()
     assert report["active_bytes"] == 3 * GIB
     assert report["headroom_bytes"] == GIB
 
 
 def test_report_headroom_uses_the_system_clamp() -> None:
     probe = FakeProbe(limit_bytes=64 * GIB, system_available_bytes=100 * MIB)
-    assert make_state(probe).report(running=0, max_running=4)["headroom_bytes"] == 100 * MIB
+    assert make_state(probe).report(running=0, max_running=4).to_dict()["headroom_bytes"] == 100 * MIB
 
 
 @FAST
@@ -241,7 +241,7 @@ def test_peak_is_the_max_since_start(readings: list[tuple[int, int]]) -> None:
     previous = 0
     for active, cache in readings:
         probe.active_bytes, probe.cache_bytes = active, cache
-        peak = state.report(running=0, max_running=1)["peak_bytes"]
+        peak = state.report(running=0, max_running=1).to_dict()["peak_bytes"]
         assert peak >= previous
         assert peak >= active + cache
         previous = peak
@@ -251,9 +251,9 @@ def test_peak_is_the_max_since_start(readings: list[tuple[int, int]]) -> None:
 def test_peak_survives_a_cache_clear() -> None:
     probe = FakeProbe(limit_bytes=8 * GIB, active_bytes=GIB, cache_bytes=2 * GIB)
     state = make_state(probe)
-    assert state.report(running=0, max_running=1)["peak_bytes"] == 3 * GIB
+    assert state.report(running=0, max_running=1).to_dict()["peak_bytes"] == 3 * GIB
     probe.clear_cache()
-    report = state.report(running=0, max_running=1)
+    report = state.report(running=0, max_running=1).to_dict()
     assert report["cache_bytes"] == 0
     assert report["peak_bytes"] == 3 * GIB
 

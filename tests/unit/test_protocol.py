@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -41,7 +43,8 @@ EXAMPLES: list[Any] = [
                                            TokenRow("r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]])]),
     Reject(incarnation=7, request_id="r1", reason=RejectReason.NOT_NOW.value, message="later",
            needed_bytes=10, max_request_tokens=100),
-    Status(incarnation=7, report={"budget_bytes": 1 << 30, "running": 2, "device": "cpu"}),
+    Status(incarnation=7, report=protocol.MemoryReport(budget_bytes=1 << 30, running=2, device="cpu",
+                                                        scale_history=[[0.5, 1.2, "step"]])),
     Heartbeat(incarnation=7, step=3, has_work=True),
     Shutdown(incarnation=7, reason="bye"),
     Trim(incarnation=7),
@@ -143,8 +146,14 @@ message_strategies = st.one_of(
     st.builds(Reject, incarnation=INT64, request_id=text,
               reason=st.sampled_from([str(r) for r in RejectReason]) | text,
               message=text, needed_bytes=INT64, max_request_tokens=INT64),
-    st.builds(Status, incarnation=INT64,
-              report=st.dictionaries(st.text(max_size=8), any_values, max_size=8)),
+    st.builds(Status, incarnation=INT64, report=st.builds(
+        protocol.MemoryReport, device=text, limit_bytes=INT64, budget_bytes=INT64,
+        mlx_limit_bytes=st.none() | INT64, running=INT64, worst_step_s=st.floats(allow_nan=False),
+        scale=st.floats(allow_nan=False), warmup_s=st.none() | st.floats(allow_nan=False),
+        scale_history=st.lists(st.tuples(st.floats(allow_nan=False), st.floats(allow_nan=False), text)
+                               .map(list), max_size=3),
+        cost_model=st.dictionaries(st.text(max_size=8), any_values, max_size=5),
+        prompt_cache=st.dictionaries(st.text(max_size=8), any_values, max_size=5))),
     st.builds(Heartbeat, incarnation=INT64, step=INT64, has_work=st.booleans()),
     st.builds(Shutdown, incarnation=INT64, reason=text),
 )
@@ -240,14 +249,36 @@ def nested(depth: int) -> Any:
 
 
 def test_nesting_is_bounded_before_anything_walks_it() -> None:
-    ok = protocol.Status(incarnation=1, report={"a": nested(protocol.MAX_FREE_DEPTH - 1)})
+    ok = protocol.Status(incarnation=1, report=protocol.MemoryReport(
+        loop={"a": nested(protocol.MAX_FREE_DEPTH - 1)}))
     assert decode(encode(ok)) == ok
     deep = {"v": protocol.PROTOCOL_VERSION, "type": "status", "incarnation": 1,
-            "report": {"a": nested(200)}}
+            "report": {"loop": {"a": nested(200)}}}
     with pytest.raises(ProtocolError, match="wrong type"):
         decode(msgpack.packb(deep))
     with pytest.raises(ProtocolError, match="undecodable"):  # msgpack's own limit (1024)
         decode(b"\x91" * 100_000 + b"\xc0")
+
+
+def test_a_memory_report_field_of_the_wrong_type_is_refused() -> None:
+    # Typed on arrival: the router reads these fields as numbers (admission, the budget,
+    # the stall clock), so a report that is not one is dropped whole, never half-read.
+    for field_name, value in (("limit_bytes", "lots"), ("max_running_requests", 1.5),
+                              ("scale_history", [[1.0, {"why": "x"}, "step"]]), ("loop", [1])):
+        frame = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "status", "incarnation": 1,
+                               "report": {field_name: value}})
+        with pytest.raises(ProtocolError, match=f"status.report.{field_name} has the wrong type"):
+            decode(frame)
+
+
+def test_every_memory_report_field_is_documented() -> None:
+    # What /v1/memory shows per worker is the report as sent: a field the worker adds
+    # must be named in the README's endpoint table, as clients rely on those names.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `GET /v1/memory`"))
+    documented = set(re.findall(r"`([a-z_]+)`", row))
+    fields = {f.name for f in dataclasses.fields(protocol.MemoryReport)}
+    assert fields - documented == set()
 
 
 @pytest.mark.parametrize("frame", ["text", None, 123, [b"x"]])

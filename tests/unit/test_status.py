@@ -22,14 +22,14 @@ def test_a_prompt_cache_report_keeps_numbers_only() -> None:
 def test_prompt_cache_metrics_by_tier() -> None:
     from router.status import PromptCacheMetrics
 
-    report = {"prompt_cache": {
+    cache = {
         "enabled": True, "hits": 5, "misses": 2, "cached_tokens": 900, "hits_by_kind": {"prefix": 3, "disk": 2},
         "evictions": {"capacity": 1}, "tiers": {
             "ram": {"entries": 2, "bytes": 100},
             "disk": {"entries": 4, "bytes": 400, "hits": 2, "misses": 1, "writes": 6, "corrupt": 1,
-                     "dropped": 0, "evictions": 3}}}}
+                     "dropped": 0, "evictions": 3}}}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in PromptCacheMetrics(lambda: [report]).collect() for s in family.samples}
+               for family in PromptCacheMetrics(lambda: [cache]).collect() for s in family.samples}
     assert samples[("headroom_prompt_cache_hits_total", (("tier", "ram"),))] == 3
     assert samples[("headroom_prompt_cache_hits_total", (("tier", "disk"),))] == 2
     assert samples[("headroom_prompt_cache_misses_total", (("tier", "ram"),))] == 4  # two the disk served
