@@ -419,17 +419,11 @@ class MemoryGate:
         return action
 
     def _follow_device(self) -> None:
-        """MLX may hold the weights, its idle baseline and the budget, and never less than
-        what running rows were promised: when the runtime's set-aside drops the budget below
-        the promises, those rows still need that memory in order, and a limit under it made
-        MLX wait for the device before every kernel until they finished. And MLX may hold
-        no more than it holds now, its buffer cache (which it gives back before it allocates
-        past its limit) and what the device or system has free: while another process (on a
-        Mac, another app) holds memory the budget counted on, kernels queued ahead wait
-        instead of taking memory that is no longer there."""
-        mem = self.memory
-        promised = mem.idle_active_bytes + mem.reserved_bytes + self.cache.ledger().held_bytes
-        limit, r = max(mem.mlx_limit_bytes, promised), mem.last
+        """MLX may hold no more than it holds now, its buffer cache (which it gives back
+        before it allocates past its limit) and what the device or system has free: while
+        another process (on a Mac, another app) holds memory the budget counted on, kernels
+        queued ahead wait instead of taking memory that is no longer there."""
+        limit, r = self.memory.mlx_limit_bytes, self.memory.last
         if r is not None:
             limit = min(limit, r.active_bytes + r.cache_bytes + r.system_available_bytes)
         self.memory.probe.bound_active(limit)

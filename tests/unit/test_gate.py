@@ -202,33 +202,12 @@ def test_mlx_may_hold_weights_baseline_and_budget_before_it_waits_for_the_device
     probe.footprint_bytes = probe.active_bytes + 700 * MIB
     gate.pressure(view(4000), 512, now=1.0)
     assert memory.runtime_bytes > 0
-    gate.rebase(view())  # (while the promise runs it keeps its memory: the test below)
     assert probe.active_limit == memory.idle_active_bytes + gate.fitted.budget_bytes < first
     gate.move_limit(LIMIT // 2)
     assert probe.active_limit == memory.idle_active_bytes + gate.fitted.budget_bytes <= probe.limit_bytes
     assert probe.active_limit < LIMIT // 2
     gate.set_fitted(make_model(budget_bytes=100 * MIB))  # a re-fit moves it too
     assert probe.active_limit == memory.idle_active_bytes + 100 * MIB
-
-
-def test_mlx_limit_never_falls_below_what_running_rows_were_promised() -> None:
-    """The runtime's set-aside may drop the budget below what running rows were promised
-    (they keep it): MLX's limit stays at the promises until they end, or MLX would wait for
-    the device before every kernel of theirs, and comes down to the budget after."""
-    outside = 300 * MIB
-    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
-    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
-                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
-    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
-    gate.reserve(gate.can_admit(view(), 3000, 1000))
-    promised = memory.idle_active_bytes + memory.reserved_bytes
-    probe.active_bytes += 100 * MIB
-    probe.footprint_bytes = probe.active_bytes + outside + 600 * MIB  # the runtime's own
-    gate.pressure(view(4000), 512, now=1.0)
-    assert memory.idle_active_bytes + gate.model.budget_bytes < promised  # the budget fell under them
-    assert probe.active_limit == promised
-    gate.rebase(view())                                                   # they ended
-    assert probe.active_limit == memory.idle_active_bytes + gate.model.budget_bytes < promised
 
 
 def test_mlx_limit_shrinks_to_what_the_device_has_free_while_another_process_holds_memory() -> None:
