@@ -210,6 +210,26 @@ def test_mlx_may_hold_weights_baseline_and_budget_before_it_waits_for_the_device
     assert probe.active_limit == memory.idle_active_bytes + 100 * MIB
 
 
+def test_mlx_limit_stays_within_the_operators_limit_when_a_grown_scale_inflates_the_promises() -> None:
+    # A step at 1.6x its prediction grows the scale; the rows' promise, re-derived at that
+    # scale when one of them ends, is then far above the budget. MLX's limit stays at the
+    # budget: past it the process would be past the operator's limit, and queued kernels
+    # must wait there (what the rows need in order MLX still allocates).
+    gate, probe = make_gate(max_running=64)
+    v = view()
+    while (d := gate.can_admit(v, 200, 56)).admit:
+        gate.reserve(d)
+        v = view(*(v.running_totals + [256]))
+    predicted = gate.predict_step(v, 512, None)
+    probe.active_bytes = WEIGHTS + int(1.6 * predicted)
+    gate.observe_step(predicted, now=1.0)
+    probe.active_bytes = WEIGHTS + 200 * MIB
+    assert gate.tracker.scale > 1.5
+    gate.rebase(view(*v.running_totals[:-1]))
+    assert gate.memory.idle_active_bytes + gate.memory.reserved_bytes > probe.limit_bytes
+    assert probe.active_limit == gate.memory.idle_active_bytes + gate.fitted.budget_bytes <= probe.limit_bytes
+
+
 def test_mlx_limit_shrinks_to_what_the_device_has_free_while_another_process_holds_memory() -> None:
     gate, probe = make_gate()
     full = probe.active_limit
