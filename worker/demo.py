@@ -5,7 +5,7 @@ real checkpoint but needs no download. The recipe is deterministic from fixed
 seeds, so every process (and every machine) that builds it gets the same
 bytes, and the folder is cached under `<cache_root>/demo-v<DEMO_VERSION>`.
 
-Shape: compute is cheap (hidden 256, 4 layers) but the KV cache is large per
+Shape: compute is cheap (hidden 64, 4 layers) but the KV cache is large per
 token (16 KV heads x head_dim 128, float32 = 64 KiB/token), so memory-admission
 tests can fill a budget with few tokens. The end-of-sequence rows of `lm_head`
 are zero, so their logit is always exactly 0 while the others are ~N(0, 4):

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from common.errors import ProtocolError
 from common.log import about
 from common.protocol import (
     Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Limit, Reject, RejectReason,
-    Shutdown, Status, TokenRow, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
+    Message, Shutdown, Status, TokenRow, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
 )
 from worker.engine import Engine, Output
 from worker.gate import EngineView, MemoryGate, is_memory_error
@@ -133,7 +134,7 @@ class WorkerServer:
     """Receive and handle messages, step the engine, publish outputs and status."""
 
     def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello,
-                 clock: Any = time.monotonic, cache: PrefixCache | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None) -> None:
         self.opts = opts
         self.engine = engine
         self.memory = memory
@@ -272,7 +273,7 @@ class WorkerServer:
                 continue  # meant for an earlier incarnation of this worker
             self.handle(msg)
 
-    def handle(self, msg: Any) -> None:
+    def handle(self, msg: Message) -> None:
         if isinstance(msg, Generate):
             self.admit(msg)
         elif isinstance(msg, Cancel):
@@ -544,7 +545,7 @@ class WorkerServer:
             prompt_cache=self.cache.report() if self.cache is not None else {"enabled": False})
         self.send(Status(incarnation=self.opts.incarnation, report=report))
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Message) -> None:
         try:
             self.sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
