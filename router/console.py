@@ -118,7 +118,10 @@ def _worker_lines(w: dict[str, Any], history: list[dict[str, Any]], now: float, 
         how = exit_.get("signal") or f"code {exit_.get('code')}"
         lines.append(f"  last exit: {how}: {exit_.get('reason')} ({ago(exit_['at'], now)})")
     if mem:
-        lines.append(f"  memory on {mem.get('device', '?')}, report {human_s(mem.get('report_age_s'))} old:"
+        device = mem.get("device", "?")
+        if mem.get("device_name") and mem["device_name"] != device:
+            device = f"{device} ({mem['device_name']})"
+        lines.append(f"  memory on {device}, report {human_s(mem.get('report_age_s'))} old:"
                      f" limit {human_bytes(mem.get('limit_bytes'))}")
         lines.append("  " + memory_bar(mem, max(10, min(60, width - 4))))
         lines.append(f"  active {human_bytes(mem.get('active_bytes'))}  cache {human_bytes(mem.get('cache_bytes'))}"

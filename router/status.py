@@ -159,7 +159,7 @@ MEMORY_GAUGES = ("limit_bytes", "budget_bytes", "active_bytes", "cache_bytes", "
 # The workers' fields summed into each chart sample.
 SAMPLE_FIELDS = ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes", "headroom_bytes")
 # The worker report's fields the status page shows (the rest stays in /v1/memory).
-PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device",
+PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device", "device_name",
                                       "context_length", "max_request_tokens", "running",
                                       "max_running_requests")
 # The page's files, served from the package (router/static/), never from elsewhere.

@@ -34,6 +34,12 @@ function ago(at, now) {
   if (s < 5400) return (s / 60).toFixed(0) + " min ago";
   return (s / 3600).toFixed(1) + " h ago";
 }
+// "metal · Apple M3 Max", "cuda · NVIDIA H200": the backend, and which device it is.
+function deviceLabel(m) {
+  if (!m.device) return "–";
+  return m.device_name && m.device_name !== m.device ? `${m.device} · ${m.device_name}` : m.device;
+}
+
 function el(tag, text, cls) {
   const e = document.createElement(tag);
   if (text !== undefined && text !== null) e.textContent = String(text);
@@ -150,7 +156,7 @@ function renderWorkers(s) {
     state.title = w.reason || "";
     const cells = [el("td", w.model || "–"), state, el("td", w.pid ?? "–"), el("td", w.incarnation ?? "–"),
       el("td", w.restarts), el("td", m.max_running_requests ? `${w.running} / ${m.max_running_requests}` : w.running),
-      el("td", m.device ?? "–"), el("td", bytes(m.limit_bytes)), el("td", bytes(m.active_bytes)),
+      el("td", deviceLabel(m)), el("td", bytes(m.limit_bytes)), el("td", bytes(m.active_bytes)),
       el("td", bytes(m.cache_bytes)), el("td", bytes(m.reserved_bytes)),
       el("td", m.report_age_s === undefined ? "–" : seconds(m.report_age_s)), el("td", lastExit(w.last_exit, s.at))];
     cells[2].dataset.field = "pid";

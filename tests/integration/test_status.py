@@ -217,6 +217,8 @@ def test_the_page_in_headless_chromium(router: Router, tmp_path: Path) -> None:
     dom = done.stdout
     assert done.returncode == 0 and "</html>" in dom, done.stderr[-2000:]
     assert f'data-field="pid">{pid}<' in dom
+    name = status(router)["workers"][0]["memory"]["device_name"]  # the CPU's name here; on a Mac, its chip
+    assert f"<td>cpu · {name}</td>" in dom, "the device and its name"
     assert re.search(r'id="models-panel"[^>]*hidden', dom), "one model: no models table"
     assert "<dt>hits</dt>" in dom and "cache-worker" not in dom, "one worker's cache, unnamed"
     points = re.search(r'id="mem-chart"[^>]*data-points="(\d+)"', dom)

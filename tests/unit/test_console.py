@@ -20,7 +20,8 @@ def body(**over: Any) -> dict[str, Any]:
               "restarts": 2, "mode": "spawn", "running": 1,
               "last_exit": {"code": None, "signal": "SIGKILL", "reason": "killed by SIGKILL",
                             "at": 940.0},
-              "memory": {"device": "metal", "limit_bytes": 8 * GiB, "active_bytes": 2 * GiB,
+              "memory": {"device": "metal", "device_name": "Apple M3 Max", "limit_bytes": 8 * GiB,
+                         "active_bytes": 2 * GiB,
                          "cache_bytes": GiB, "reserved_bytes": GiB // 2, "headroom_bytes": 5 * GiB,
                          "peak_bytes": 3 * GiB, "max_running_requests": 8, "report_age_s": 0.1},
               "prompt_cache": {"hits": 3, "ram_bytes": GiB, "tiers": {"disk_bytes": 1}}}
@@ -40,7 +41,8 @@ def test_render_shows_the_facts_of_the_page() -> None:
     text = render(body(), width=120)
     for fact in ("OK", "demo", "queued 3", "running 1", "tokens/s 41.5", "p50 150 ms", "p95 1.50 s",
                  "pid 4242", "incarnation 123456789012345678", "restarts 2", "running 1/8",
-                 "last exit: SIGKILL: killed by SIGKILL (60 s ago)", "limit 8.00 GiB",
+                 "last exit: SIGKILL: killed by SIGKILL (60 s ago)", "memory on metal (Apple M3 Max)",
+                 "limit 8.00 GiB",
                  "headroom 5.00 GiB", "reserved 512.00 MiB", "prompt cache: hits 3, ram_bytes 1.00 GiB",
                  "429 queue_full  r9  the queue is full", "400 invalid_request  r8  bad messages",
                  "headroom, last 6 s  ▁▂▃▄▅▅"):
