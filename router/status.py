@@ -284,12 +284,13 @@ class StatusViews:
             worker = str(link.hello.pid)
             if link.status is None:
                 continue
-            report = link.status.to_dict()
             for name in MEMORY_GAUGES:
-                if report[name] is not None:  # mlx_limit_bytes: None where MLX has no limit
-                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(report[name])
+                value = getattr(link.status, name)
+                if value is not None:  # mlx_limit_bytes: None where MLX has no limit
+                    m.memory.labels(model=link.model_alias, worker=worker, field=name).set(value)
             for name in ("scale", "worst_measured_over_predicted"):
-                m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(report[name])
+                m.cost_model.labels(model=link.model_alias, worker=worker, field=name).set(
+                    getattr(link.status, name))
         for w in self.fleet.workers.values():
             m.workers.labels(model=w.model, state=w.sup.state.value).inc()
             if w.lease_bytes is not None:
@@ -360,8 +361,7 @@ class StatusViews:
             worker["running"] = len(link.in_flight) if link else 0
             worker["memory"] = worker["prompt_cache"] = None
             if link is not None and link.status is not None:
-                report = link.status.to_dict()
-                worker["memory"] = {f: report[f] for f in PAGE_MEMORY_FIELDS}
+                worker["memory"] = {f: getattr(link.status, f) for f in PAGE_MEMORY_FIELDS}
                 worker["memory"]["report_age_s"] = round(self.dispatcher.clock() - link.status_at, 3)
                 worker["prompt_cache"] = _numbers(link.status.prompt_cache) if link.status.prompt_cache else None
             out.append(worker)
