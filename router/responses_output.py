@@ -93,13 +93,13 @@ class ResponsesPresenter:
         return out + self._event("response.output_item.added", output_index=len(self.items) - 1,
                                  item=item)
 
-    def _close_item(self) -> bytes:
+    def _close_item(self, status: str = "completed") -> bytes:
         if self._open is None:
             return b""
         kind, _ = self._open
         self._open = None
         item, where = self.items[-1], self._where()
-        item["status"] = "completed"
+        item["status"] = status
         out = b""
         if kind == "function_call":
             out += self._event("response.function_call_arguments.done", **where,
@@ -137,7 +137,8 @@ class ResponsesPresenter:
         out = self.feed(c.take_chat_delta())
         if not self.items:  # an answer always has its message, as output_text reads it
             out += self._text("message", "output_text", "")
-        return out + self._close_item()
+        # The item the limit cut short is as incomplete as the response (OpenAI marks both).
+        return out + self._close_item("incomplete" if c.finish_reason == "length" else "completed")
 
     def _final(self, c: Collector) -> dict[str, Any]:
         if c.finish_reason == "length":

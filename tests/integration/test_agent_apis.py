@@ -202,6 +202,24 @@ def test_responses_stream(oai: openai.OpenAI, chat_answer: Any) -> None:
     assert events[-1].response.output_text == text  # type: ignore[union-attr]
 
 
+def test_responses_cut_by_max_output_tokens_marks_its_message_incomplete(oai: openai.OpenAI) -> None:
+    """OpenAI marks the message item the limit cut ``incomplete``, as the response is."""
+    cut = {"model": "m", "input": QUESTION, "max_output_tokens": 3, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
+    response = oai.responses.create(**cut)  # type: ignore[call-overload]
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
+    events = list(oai.responses.create(**cut, stream=True))  # type: ignore[call-overload]
+    done = [e.item for e in events if e.type == "response.output_item.done"]  # type: ignore[union-attr]
+    assert [(item.type, item.status) for item in done] == [("message", "incomplete")]
+    final = events[-1]
+    assert final.type == "response.incomplete"
+    assert [item.status for item in final.response.output] == ["incomplete"]  # type: ignore[union-attr]
+    assert final.response.output_text == response.output_text  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"store": True}, "store"),

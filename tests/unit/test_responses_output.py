@@ -47,6 +47,33 @@ def test_max_output_tokens_is_incomplete() -> None:
     seq = events(p.delta(c) + p.tail([c], 7))
     assert seq[-1]["type"] == "response.incomplete"
     assert seq[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    # The message the limit cut is incomplete too, where it closes and in the final object.
+    done = [e for e in seq if e["type"] == "response.output_item.done"]
+    assert [e["item"]["status"] for e in done] == ["incomplete"]
+    assert [item["status"] for item in seq[-1]["response"]["output"]] == ["incomplete"]
+    c = collector()
+    c.feed(TokenEvent([72], "length"))
+    body = presenter().body([c], 7)
+    assert body["status"] == "incomplete" and body["output"][0]["status"] == "incomplete"
+
+
+def test_only_the_item_the_limit_cut_is_incomplete() -> None:
+    c, p = collector(), presenter()
+    raw = p.feed({"reasoning_content": "Hmm."}) + p.feed({"content": "Hi"})
+    c.feed(TokenEvent([], "length"))
+    seq = events(raw + p.tail([c], 7))
+    done = [e["item"] for e in seq if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [("reasoning", "completed"),
+                                                       ("message", "incomplete")]
+    assert [i["status"] for i in seq[-1]["response"]["output"]] == ["completed", "incomplete"]
+
+
+def test_a_finished_answer_is_completed() -> None:
+    c, p = collector(), presenter()
+    c.feed(TokenEvent([72], "stop"))
+    seq = events(p.delta(c) + p.tail([c], 7))
+    assert seq[-1]["type"] == "response.completed"
+    assert [i["status"] for i in seq[-1]["response"]["output"]] == ["completed"]
 
 
 def test_stream_error_ends_with_response_failed() -> None:
