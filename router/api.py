@@ -38,7 +38,7 @@ from router.plan import plan_output, template_tools
 from router.reqid import ROW_SEP, KEY as REQUEST_ID, make_request_id
 from router.sampling import check_token_ids
 from router.schema import Parsed, parse_chat, parse_completion
-from router.sse import Responder, SlowReader
+from router.sse import ClientGone, Responder, SlowReader
 from router.status import Metrics
 from router.tokenizer import RouterTokenizer
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 # from arrival to queue on 2 cores). Longer ones go to the pool, where the batch encode
 # releases the GIL and a huge prompt cannot stall every other stream.
 INLINE_TOKENIZE_CHARS = 2048
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +354,10 @@ class Api:
                     return await self.respond.stream(request, rows, collectors, present)
                 except SlowReader as exc:
                     return exc.response  # the jobs are cancelled below, their rows freed
+                except ClientGone:
+                    # Never sent (aiohttp drops it quietly); 499, nginx's "client closed
+                    # request", is what the request metric counts. The jobs are cancelled below.
+                    return web.Response(status=CLIENT_CLOSED_REQUEST)
             return await self.respond.collect(rows, collectors, present)
         finally:
             self.num_in_flight -= 1

@@ -301,7 +301,8 @@ class Presenter(Protocol):
         ...
 
     def keepalive(self) -> bytes:
-        """Something to send while nothing happens, so a vanished client is noticed."""
+        """Something to send while a started stream has nothing to say, so a vanished client
+        is noticed (router/sse.py sends nothing before the first token)."""
         ...
 
     def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:

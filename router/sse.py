@@ -1,7 +1,10 @@
 """Answering a request's rows: one JSON body, or an SSE stream.
 
-A stream sends keepalive comments while nothing else is said (during a wait in the queue
-or a long prefill), writes every event already waiting as one chunk, ends with an error
+A stream's headers wait for its first token: a request refused before it (a full queue,
+the worker's re-check, the quarantine, a lost worker) gets the same HTTP status and JSON
+body as one that does not stream. Until then the keepalive timer only looks for a client
+that left; once the stream has begun it sends keepalive comments while nothing else is
+said (a long prefill), writes every event already waiting as one chunk, ends with an error
 event (never a hang) when its worker is lost, and drops a client that stops reading, so a
 slow reader cannot make the router hold its output without bound.
 """
@@ -25,9 +28,9 @@ from router.output import Collector, Presenter
 
 log = logging.getLogger(__name__)
 
-# A stream with nothing to say for ``Limits.keepalive_s`` (--sse-keepalive, 5 s) sends an
-# SSE comment, so a vanished client is noticed (the write fails) even during a long prefill
-# or wait in the queue.
+# A started stream with nothing to say for ``Limits.keepalive_s`` (--sse-keepalive, 5 s)
+# sends an SSE comment, so a vanished client is noticed (the write fails) even during a long
+# prefill; before it starts, the same timer checks the connection instead.
 # How often a stream whose client is behind looks at its buffer again (only while behind).
 DRAIN_POLL_S = 0.05
 
@@ -50,6 +53,15 @@ class SlowReader(Exception):
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("the client stopped reading its stream")
         self.response = response
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its stream began; nothing was sent."""
+
+
+def is_client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 class Responder:
@@ -82,12 +94,14 @@ class Responder:
                 async with asyncio.timeout(self.limits.keepalive_s):
                     index, event = await rows.events.get()
             except TimeoutError:
-                response = response or await self.start_stream(request)
-                await self.write(request, response, present.keepalive())
+                if response is not None:
+                    await self.write(request, response, present.keepalive())
+                elif is_client_gone(request):
+                    raise ClientGone() from None  # the API cancels its queued or running rows
                 continue
             if isinstance(event, HeadroomError):
                 if response is None:
-                    raise event  # nothing sent yet: a plain HTTP error is clearer
+                    raise event  # nothing sent yet: the status and body a non-streamed request gets
                 await self.write(request, response, present.error(public_error(event)))
                 return response
             response = response or await self.start_stream(request)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -47,24 +50,36 @@ def test_disconnected_non_streaming_request_is_cancelled(router: Router) -> None
     wait_until(lambda: running(router) == 0, 10, "the cancelled request to leave the worker")
 
 
+def post_raw(router: Router, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send a request without waiting for its answer: a queued stream's headers wait for its
+    first token, so an HTTP client would block on them."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def test_queued_request_that_leaves_never_reaches_the_worker(fresh_router: Callable[..., Router]) -> None:
-    # A keepalive each second (default 5 s): the queued stream's first comment comes sooner.
-    router = fresh_router("--max-running-requests", "1", "--sse-keepalive", "1")
-    with httpx.Client(base_url=router.url, timeout=30) as first, \
-            httpx.Client(base_url=router.url, timeout=30) as second:
+    # Keepalive ticks every 50 ms (default 5 s): the queued stream's timer checks its client often.
+    router = fresh_router("--max-running-requests", "1", "--sse-keepalive", "0.05")
+    with httpx.Client(base_url=router.url, timeout=30) as first:
         with first.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running_resp:
             # Keep the iterator referenced: a collected httpx line iterator closes the stream.
             running_lines = running_resp.iter_lines()
             next(running_lines)
             wait_until(lambda: running(router) == 1, 10, "the first request to run")
             dispatched = metric(router, "headroom_dispatched_requests_total")
-            body = {**LONG, "stream": True, "max_tokens": 5}
-            with second.stream("POST", "/v1/completions", json=body) as queued:
-                assert router.health()["queued"] == 1
-                # While it waits, the stream sends SSE comments so a dead client is noticed.
-                queued_lines = queued.iter_lines()
-                comment = next(line for line, _ in zip(queued_lines, range(5)) if line)
-                assert comment == ": keepalive"
+            queued = post_raw(router, "/v1/completions", {**LONG, "stream": True, "max_tokens": 5})
+            with queued:
+                wait_until(lambda: router.health().get("queued") == 1, 10, "the second request to queue")
+                # What is under test is time spent queued: many keepalive ticks go by, and
+                # none of them writes (the headers wait for a first token or a refusal).
+                queued_at = time.monotonic()
+                wait_until(lambda: time.monotonic() - queued_at > 0.5, 5, "ten keepalive periods")
+                queued.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    queued.recv(1)
             wait_until(lambda: router.health().get("queued") == 0, 10, "the queued request to leave")
             assert metric(router, "headroom_cancelled_requests_total", 'where="queued"') == 1
         wait_until(lambda: running(router) == 0, 10, "the first request to be cancelled")
