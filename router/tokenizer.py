@@ -44,6 +44,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# transformers' import-time advice that it found no PyTorch (or TensorFlow, Flax): the
+# router needs only its tokenizers. Dropped by message, so its other warnings still show.
+_NO_FRAMEWORK_ADVICE = ("PyTorch was not found", "None of PyTorch, TensorFlow")
+logging.getLogger("transformers").addFilter(
+    lambda record: not record.getMessage().startswith(_NO_FRAMEWORK_ADVICE))
 
 FALLBACK_GENERATION_PROMPT = "assistant:"
 _REPLACEMENT = "\ufffd"
