@@ -12,6 +12,7 @@
     ├── RequestTimeout (408)              the body did not arrive within --request-timeout
     ├── PayloadTooLarge (413)
     ├── QueueFull (429)                   recoverable: retry later
+    ├── RequestFailed (500)               the request's own grammar or sampler failed; it alone
     ├── Unavailable (503)                 recoverable: retry later (Retry-After)
     │   ├── NoWorker                      no worker can serve (failed, shutting down)
     │   ├── QueueTimeout                  waited past --queue-timeout
@@ -41,6 +42,7 @@ __all__ = [
     "RequestTimeout",
     "PayloadTooLarge",
     "QueueFull",
+    "RequestFailed",
     "Unavailable",
     "NoWorker",
     "QueueTimeout",
@@ -157,6 +159,16 @@ class QueueFull(HeadroomError):
     type = "rate_limit_error"
     code = "queue_full"
     retry_after_s = 1
+
+
+class RequestFailed(HeadroomError):
+    """The request's own work failed in the worker (its grammar matcher, sampler or logits
+    processor raised): it ended alone, the rest of the batch went on. Not recoverable by
+    retrying the same request."""
+
+    status = 500
+    type = "server_error"
+    code = "request_failed"
 
 
 class Unavailable(HeadroomError):

@@ -85,6 +85,8 @@ class RejectReason(StrEnum):
     NEVER_FITS = "never_fits"
     NOT_NOW = "not_now"
     BAD_REQUEST = "bad_request"
+    BAD_GRAMMAR = "bad_grammar"          # this worker's llguidance cannot build the grammar
+    REQUEST_FAILED = "request_failed"    # the row's own grammar or sampler failed mid-run
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,7 +202,8 @@ class Tokens:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reject:
-    """Worker → router: the request was not taken. ``not_now`` means re-queue."""
+    """Worker → router: the request was not taken (``not_now`` means re-queue), or, with
+    ``request_failed``, it was and its own work failed (its tokens so far stand)."""
 
     type: ClassVar[str] = "reject"
     incarnation: int

@@ -292,7 +292,8 @@ class Api:
                                                        index),
                                  deadline=deadline, enqueued_at=now, arrived_at=arrived,
                                  events=ChoiceEvents(rows.events, index), model=served.spec.alias,
-                                 boundaries=boundaries, room_left=room_left))
+                                 boundaries=boundaries, room_left=room_left,
+                                 grammar_param=plan.grammar_param))
         try:
             for job in rows.jobs:
                 self.dispatcher.submit(job)

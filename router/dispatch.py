@@ -19,8 +19,8 @@ from typing import Any
 
 from common.costmodel import CostModel
 from common.errors import (
-    BadRequest, ContextLengthExceeded, InsufficientMemory, MemoryPressure, NoWorker, QueueFull,
-    QueueTimeout, RequestQuarantined, WorkerLost,
+    BadRequest, ContextLengthExceeded, HeadroomError, InsufficientMemory, MemoryPressure, NoWorker,
+    QueueFull, QueueTimeout, RequestFailed, RequestQuarantined, WorkerLost,
 )
 from common.log import about
 from common.protocol import (
@@ -377,8 +377,12 @@ class Dispatcher:
             self.backlog(link.model_alias).push_front(job)
             self.pump(link.model_alias)
             return
-        error: BadRequest
-        if msg.reason == RejectReason.NEVER_FITS and msg.needed_bytes:
+        error: HeadroomError
+        if msg.reason == RejectReason.REQUEST_FAILED:
+            error = RequestFailed(msg.message)
+        elif msg.reason == RejectReason.BAD_GRAMMAR:
+            error = BadRequest(msg.message, param=job.grammar_param)
+        elif msg.reason == RejectReason.NEVER_FITS and msg.needed_bytes:
             error = InsufficientMemory(msg.message, param="max_tokens", needed_bytes=msg.needed_bytes,
                                        max_request_tokens=msg.max_request_tokens)
         elif msg.reason == RejectReason.NEVER_FITS:

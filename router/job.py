@@ -91,6 +91,7 @@ class Job:
     first_sent_at: float | None = None    # the first output written to a stream (after first_token_at)
     boundaries: list[int] = field(default_factory=list)   # message ends in the prompt (prefix cache)
     room_left: bool = False               # max_tokens is the room left, not asked: it shrinks, never fails
+    grammar_param: str | None = None      # the parameter its grammar came from (response_format, tool_choice)
 
     @property
     def total_tokens(self) -> int:

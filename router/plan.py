@@ -41,6 +41,7 @@ class OutputPlan:
     think: tuple[str, str] | None = None      # reasoning markers to split on
     in_reasoning: bool = False                # the prompt ended inside a thinking block
     grammar: str | None = None
+    grammar_param: str | None = None          # the request parameter the grammar enforces
 
     @property
     def keep_markers(self) -> tuple[str, ...]:
@@ -63,8 +64,10 @@ def tool_format(tok: TemplateInfo, flag: str) -> str | None:
 
 def plan_output(parsed: Parsed, tok: TemplateInfo, flag: str, prompt_text: str = "") -> OutputPlan:
     if parsed.kind != "chat":
-        grammar = response_format_grammar(parsed.response_format) if parsed.response_format else None
-        return OutputPlan(grammar=grammar)
+        if parsed.response_format is None:
+            return OutputPlan()
+        return OutputPlan(grammar=response_format_grammar(parsed.response_format),
+                          grammar_param="response_format")
     family = tool_format(tok, flag)
     uses_tools = bool(parsed.tools) and parsed.tool_choice.mode != "none"
     if uses_tools and (not tok.can_take_tools or family is None):
@@ -73,19 +76,22 @@ def plan_output(parsed: Parsed, tok: TemplateInfo, flag: str, prompt_text: str =
     markers = tok.think_markers if family != "harmony" else None
     opened = markers is not None and prompt_text.rstrip().endswith(markers[0])
     close = _close_marker(tok, markers[1]) if opened and markers is not None else None
-    grammar = None
+    grammar = param = None
     if uses_tools and parsed.tool_choice.is_forced:
         assert family is not None
         lark = call_grammar(family, parsed.tools, parsed.tool_choice, tok.special_token_id)
         grammar = lark_grammar(after_marker(close, lark) if close else lark, "tool_choice")
+        param = "tools"  # the call's arguments follow the tools' schemas
     elif parsed.response_format is not None:
         rf = parsed.response_format
         grammar = lark_grammar(after_marker(close, response_format_lark(rf)), "response_format") \
             if close else response_format_grammar(rf)
+        param = "response_format"
     think = markers if parsed.separate_reasoning else None
     # Harmony's channels are its syntax, so it is always parsed (even without tools)
     return OutputPlan(tool_format=family if (uses_tools or family == "harmony") else None,
-                      think=think, in_reasoning=think is not None and opened, grammar=grammar)
+                      think=think, in_reasoning=think is not None and opened, grammar=grammar,
+                      grammar_param=param)
 
 
 def _close_marker(tok: TemplateInfo, marker: str) -> str:

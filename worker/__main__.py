@@ -36,6 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker",
                   context={"incarnation": incarnation, "model": cfg.model})
 
+    from worker.requirements import too_old
+
+    problems = too_old()
+    if problems:
+        print(f"mlx-worker: cannot start: {'; '.join(problems)}; install the versions "
+              "pyproject.toml requires", file=sys.stderr)
+        return permanent_exit(ExitCode.CONFIG_ERROR, (), cfg.service_manager)
+
     from worker.loader import LoadError, load_model  # imports mlx: after config is good
 
     try:

@@ -30,6 +30,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from common.protocol import SamplingParams
+from worker.containment import RowFailures
 from worker.grammar import GrammarCompiler
 from worker.prefix_cache import Hit, PrefixCache
 from worker.sampling import logprob_rows, make_processors, make_sampler
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # Generator calls a step may add, back to back, to reach a prompt's first token.
 FIRST_TOKEN_CALLS = 2
+# An output's finish reason when the row's own sampler or processors failed (``failure``
+# says why); the server answers it as the request's own error, never the worker's.
+FAILED = "failed"
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class Output:
     finish_reason: str | None
     logprobs: list[list[Any]] | None = None  # [logprob, top_ids, top_logprobs] per token
     cached_tokens: int | None = None         # set on a request's first output
+    failure: str | None = None               # the row's own failure ended it (its cause)
 
 
 class Engine:
@@ -97,6 +102,7 @@ class Engine:
         )
         self.running: dict[str, Running] = {}
         self._by_uid: dict[int, Running] = {}
+        self.failures = RowFailures()       # rows whose own sampler or processors raised
         self.num_steps = 0
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
         self.last_chained_s = 0.0           # of the last step, spent in calls for first tokens
@@ -136,8 +142,8 @@ class Engine:
             max_tokens=[max_tokens],
             caches=[hit.views] if hit is not None else None,
             all_tokens=[prompt_ids[:cached]] if hit is not None else None,
-            samplers=[make_sampler(sampling)],
-            logits_processors=[make_processors(sampling, self.grammars)],
+            samplers=[self.failures.sampler(request_id, make_sampler(sampling))],
+            logits_processors=[self.failures.processors(request_id, make_processors(sampling, self.grammars))],
             stop_sequences=[self._no_eos if sampling.ignore_eos else self._eos],
         )
         run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs,
@@ -148,6 +154,7 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         run = self.running.pop(request_id, None)
+        self.failures.forget(request_id)
         if run is None:
             return False
         del self._by_uid[run.uid]
@@ -195,10 +202,14 @@ class Engine:
             self.last_chained_s = time.perf_counter() - chained_at
         self.num_steps += 1
         self.last_prefilled_tokens = stats.prompt_tokens
+        failed = self.failures.take()
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
         for r in responses:
             run = self._by_uid.get(r.uid)
+            if run is not None and run.request_id in failed:
+                r.prompt_cache = None  # nothing of a failed row is kept or sent
+                continue
             if self.cache is not None and run is not None and r.finish_reason is not None \
                     and r.prompt_cache is not None and r.all_tokens:
                 # Stored once the finished row's promise is released (``store_pending``).
@@ -223,6 +234,10 @@ class Engine:
         for out, row in zip((o for o in outputs if o.logprobs is not None and o.token_ids),
                             logprob_rows(wanted)):
             out.logprobs.append(row)
+        for request_id, cause in failed.items():
+            if request_id in self.running:
+                self.cancel(request_id)  # its row leaves the batch; the others go on
+                outputs.append(Output(request_id, [], FAILED, failure=cause))
         return outputs
 
     def _progress(self, prompt_responses: list[Any]) -> None:

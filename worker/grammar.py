@@ -1,9 +1,11 @@
 """Constrained decoding: an llguidance grammar as one row's logits processor.
 
 The router turns ``response_format`` and forced tool calls into an llguidance grammar and
-has already refused any the library cannot enforce; here each grammar is compiled once,
-on a thread (llguidance drops the GIL while compiling), while the row's prompt prefills,
-and kept in a small LRU cache so a repeated schema costs only a matcher copy. Per step the
+has already refused any its llguidance cannot enforce; here each grammar is compiled once,
+on a thread (llguidance drops the GIL while compiling), and kept in a small LRU cache so a
+repeated schema costs only a matcher copy. The server admits a request only once its
+grammar has compiled here (this worker's llguidance may differ from the router's): one
+that cannot is refused before any GPU work, never found failing inside a step. Per step the
 processor advances the row's matcher by the token it sampled last, asks for the bitmask
 of allowed next tokens and sets every other logit to -inf.
 """
@@ -47,7 +49,7 @@ class GrammarCompiler:
     def _compile(self, grammar: str) -> LLMatcher:
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            log.warning("grammar failed to compile: %s", matcher.get_error())
+            raise ValueError(matcher.get_error())
         return matcher
 
     def compile(self, grammar: str) -> Future[LLMatcher]:
@@ -61,6 +63,13 @@ class GrammarCompiler:
         else:
             self._compiled.move_to_end(grammar)
         return future
+
+    @staticmethod
+    def error_of(compiled: Future[LLMatcher]) -> str | None:
+        """Why a finished compile cannot be used (None: it can): the grammar, or this
+        worker's llguidance and tokenizer, refused it."""
+        exc = compiled.exception()
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
 
     def processor(self, grammar: str) -> GrammarProcessor:
         return GrammarProcessor(self.compile(grammar), self._eos)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 STATUS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 50
+# While only grammars compile (nothing steps), how often the loop looks at them.
+COMPILE_POLL_MS = 2
 # A step's prefill work is sized to take about this long: short enough that decode keeps
 # flowing beside a long prompt and that no healthy step nears the router's stall timeout.
 STEP_BUDGET_S = 0.5
@@ -163,6 +166,8 @@ class WorkerServer:
         self._grow_scale = False
         self._broken = False         # a step raised a non-memory error: no more steps
         self._admitted_at: dict[str, float] = {}   # at DEBUG: admission times, for the TTFT split
+        # Requests whose grammar is compiling: admitted (or refused) once it has.
+        self._compiling: dict[str, tuple[Generate, Future[Any]]] = {}
         self._received_at = 0.0                     # the last frame's arrival (perf_counter)
         self.exit_code = ExitCode.OK
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
@@ -190,7 +195,9 @@ class WorkerServer:
     def loop_once(self) -> None:
         started, steps = time.perf_counter(), self.timing.steps
         busy = self.engine.has_work
-        self.receive(timeout_ms=0 if busy else IDLE_POLL_MS)
+        self.receive(timeout_ms=0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS)
+        if self._compiling:
+            self.admit_compiled()
         if not busy:
             started = time.perf_counter()  # an idle poll's wait is not the loop's work
         if self.cache is not None:  # the disk tier writes while the engine is quiet
@@ -278,6 +285,7 @@ class WorkerServer:
             self.admit(msg)
         elif isinstance(msg, Cancel):
             self._admitted_at.pop(msg.request_id, None)  # no first output will come for it
+            self._compiling.pop(msg.request_id, None)
             if self.engine.cancel(msg.request_id):
                 self.gate.rebase(self.view())  # its promise goes with it
                 self._changed = True
@@ -313,10 +321,39 @@ class WorkerServer:
         log.info("memory limit %d → %d MiB on the router's request", old >> 20,
                  self.memory.probe.limit_bytes >> 20)
 
+    def admit_compiled(self) -> None:
+        """Admit (or refuse) the requests whose grammar has finished compiling."""
+        done = [rid for rid, (_, compiled) in self._compiling.items() if compiled.done()]
+        for request_id in done:
+            self.admit(self._compiling.pop(request_id)[0])
+
+    def _grammar_pending(self, msg: Generate) -> Reject | None | bool:
+        """A grammar is checked before any GPU work: a Reject when this worker cannot build
+        it, True while it compiles (the request waits here, not in a step), else None."""
+        grammars = self.engine.grammars
+        if msg.sampling.grammar is None:
+            return None
+        if grammars is None:
+            return self._reject(msg, RejectReason.BAD_GRAMMAR, "this worker cannot enforce grammars")
+        compiled = grammars.compile(msg.sampling.grammar)
+        if not compiled.done():
+            self._compiling[msg.request_id] = (msg, compiled)
+            return True
+        error = grammars.error_of(compiled)
+        if error is None:
+            return None
+        log.info("refused: its grammar cannot be built here: %s", error, extra=about(msg.request_id))
+        return self._reject(msg, RejectReason.BAD_GRAMMAR, f"this grammar cannot be enforced: {error}")
+
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""
         at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
         reject = self._validate(msg)
+        if reject is None:
+            pending = self._grammar_pending(msg)
+            if pending is True:
+                return
+            reject = pending or None
         # Taken (promised) before admission may evict: the entry this request reuses stays.
         hit = self.cache.lookup(msg.prompt_ids) if reject is None and self.cache is not None else None
         at.append(time.perf_counter())
@@ -354,7 +391,8 @@ class WorkerServer:
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
         n, vocab = len(msg.prompt_ids), self.opts.vocab_size
-        if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running:
+        if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running \
+                or msg.request_id in self._compiling:
             return self._reject(msg, RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
                 or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
@@ -513,6 +551,16 @@ class WorkerServer:
         self.publish_status(force=True)
 
     def send_outputs(self, outputs: list[Output]) -> None:
+        failed = [o for o in outputs if o.failure is not None]
+        if failed:  # rows whose own work failed: their request's error, after its tokens so far
+            outputs = [o for o in outputs if o.failure is None]
+            if outputs:
+                self.send_outputs(outputs)
+            for o in failed:
+                self._admitted_at.pop(o.request_id, None)
+                self.send(Reject(incarnation=self.opts.incarnation, request_id=o.request_id,
+                                 reason=RejectReason.REQUEST_FAILED, message=o.failure or ""))
+            return
         rows = [TokenRow(o.request_id, o.token_ids, o.finish_reason, o.logprobs) for o in outputs]
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
