@@ -45,28 +45,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         link_keys = load_server_keys(cfg.curve_secret_key, cfg.curve_authorized_keys)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
-        build_catalog(cfg.model, cfg.models_dir)  # a bad model list is a clear ConfigError here
+        catalog = build_catalog(cfg.model, cfg.models_dir)  # a bad model list is a clear ConfigError here
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, args)  # as the worker: systemd will not restart it
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": ",".join(cfg.model) or cfg.models_dir or ""})
     logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())
+    stdin_is_terminal = sys.stdin is not None and sys.stdin.isatty()
+    foreground = exits_on_permanent_failure(cfg, len(catalog), stdin_is_terminal)
     try:
-        return asyncio.run(serve(cfg, addr, env, api_keys, link_keys))
+        return asyncio.run(serve(cfg, addr, env, api_keys, link_keys, foreground))
     finally:
         if lock is not None:
             lock.close()
 
 
+def exits_on_permanent_failure(cfg: RouterConfig, num_models: int, stdin_is_terminal: bool) -> bool:
+    """Whether a worker that cannot start (ExitCode.PERMANENT: a wrong model path, a bad flag)
+    ends the router: only in a terminal, with one model whose workers it spawns. There the
+    person who typed the command reads the error at once; under launchd or systemd (no
+    terminal), with several models or external workers, the router stays up for the others
+    and /health says what failed."""
+    return stdin_is_terminal and num_models == 1 and cfg.worker_mode == "spawn"
+
+
 async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: list[str],
-                link_keys: ServerKeys | None) -> int:
+                link_keys: ServerKeys | None, foreground: bool = False) -> int:
     # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
     from aiohttp import web
 
     from router.app import API, FLEET, STATE, make_app
 
-    app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys)
+    app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys,
+                   exits_on_permanent_failure=foreground)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=cfg.idle_timeout_s,
                            max_line_size=cfg.max_header_bytes, max_field_size=cfg.max_header_bytes)
@@ -80,7 +92,7 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
         return 1
     log.info("mlx-router listening on http://%s:%d (workers: %s, mode %s)", cfg.host, cfg.port,
              addr, cfg.worker_mode)
-    stop = asyncio.Event()
+    stop = app[STATE].stop
     loop = asyncio.get_running_loop()
     # Signal handlers only set a flag or enqueue work; the loop does the rest.
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -95,7 +107,7 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
         await asyncio.sleep(DRAIN_POLL_S)
     log.info("[shutdown] stopping (%d still in flight)", app[API].num_in_flight)
     await runner.cleanup()
-    return 0
+    return app[STATE].exit_code
 
 
 if __name__ == "__main__":

@@ -44,6 +44,18 @@ class RouterState:
 
     draining: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    # A foreground run in a terminal of one spawned model (see router/__main__.py): a worker
+    # that cannot start (a wrong path, a bad flag) ends the router with its error.
+    exits_on_permanent_failure: bool = False
+    exit_code: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # main() stops when it is set
+
+    def halt(self, why: str, code: int) -> None:
+        """Stop the router, to exit with ``code``."""
+        log.error("[shutdown] exiting: %s (a foreground run with one model stops here; "
+                  "under launchd or systemd the router stays up and /health says why)", why)
+        self.exit_code = code
+        self.stop.set()
 
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -126,13 +138,15 @@ def make_fleet(cfg: RouterConfig, addr: str, env: Mapping[str, str], dispatcher:
 
 
 def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
-             api_keys: Sequence[str], link_keys: ServerKeys | None) -> web.Application:
+             api_keys: Sequence[str], link_keys: ServerKeys | None,
+             exits_on_permanent_failure: bool = False) -> web.Application:
     """The router's app. Keys are read in main(), where a bad file is a clear ConfigError:
-    ``api_keys`` from ``access.load_api_keys``, ``link_keys`` from ``curve.load_server_keys``."""
+    ``api_keys`` from ``access.load_api_keys``, ``link_keys`` from ``curve.load_server_keys``;
+    ``exits_on_permanent_failure`` too (``RouterState``)."""
     policy = AccessPolicy.build(api_keys, cfg.host, cfg.allowed_host, cfg.cors_origin)
     # The request id is outermost, so even an error response and its log line carry it;
     # access comes inside the error middleware, which answers its refusals.
-    state = RouterState()
+    state = RouterState(exits_on_permanent_failure=exits_on_permanent_failure)
     metrics = Metrics()
 
     def note_refusal(request: web.Request, exc: HeadroomError) -> None:
@@ -151,6 +165,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     dispatcher = Dispatcher(addr, cfg.max_queue, metrics,
                             curve=CurveServer(link_keys, metrics) if link_keys else None)
     fleet = make_fleet(cfg, addr, env, dispatcher, metrics)
+    if state.exits_on_permanent_failure:
+        fleet.on_permanent_failure = state.halt
     api = Api(dispatcher=dispatcher, fleet=fleet, metrics=metrics,
               default_max_tokens=cfg.default_max_tokens, queue_timeout_s=cfg.queue_timeout_s,
               limits=Limits.from_config(cfg), is_draining=lambda: state.draining,

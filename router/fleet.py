@@ -100,6 +100,9 @@ class Fleet:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
+        # Called (why, the worker's exit code) when a model's every worker has exited for a
+        # reason that will repeat (ExitCode.PERMANENT); the app sets it when that ends the router.
+        self.on_permanent_failure: Callable[[str, int], None] | None = None
         dispatcher.assign = self.assign
         dispatcher.hello_listeners.append(self.on_hello)
         dispatcher.on_shutdown = self.on_worker_shutdown
@@ -425,6 +428,9 @@ class Fleet:
         workers = [w for w in self.live(sup.model)]
         if reason is None or all(w.sup.state is WorkerState.FAILED for w in workers):
             self.dispatcher.set_unavailable(sup.model, reason)
+            if reason is not None and sup.last_exit is not None and exit_code is not None \
+                    and exit_code in ExitCode.PERMANENT and self.on_permanent_failure is not None:
+                self.on_permanent_failure(f"{sup.model}: {sup.last_exit.reason}", exit_code)
 
     # -- what the status views show --------------------------------------------------
 

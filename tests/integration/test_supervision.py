@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pty
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import openai
 
-from tests.conftest import wait_until
-from tests.integration.conftest import NO_EOS, Router
+from common.protocol import ExitCode
+from tests.conftest import free_port, wait_until
+from tests.integration.conftest import NO_EOS, READY_TIMEOUT_S, ROOT, Router, isolated_env
 
 # Under this limit the demo model serves short requests (up to 256 tokens), but a
 # 3000-token prompt's KV cache (64 KiB per token) cannot fit: with admission off it aborts
@@ -65,6 +71,32 @@ def test_worker_that_cannot_load_ends_failed_not_looping(tmp_path: Path, cache_h
                    60, "the retried worker to fail again", on_fail=bad.log)
     finally:
         bad.stop()
+
+
+def test_in_a_terminal_a_model_that_cannot_load_ends_the_router(tmp_path: Path, cache_home: Path) -> None:
+    """A newcomer's wrong path, typed in a terminal (stdin a TTY) with one model: the router
+    exits with the worker's load error and its exit code instead of serving 503s in
+    ``failed``. Without a terminal it stays up (the test above)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "router", "--model", str(tmp_path / "no-such-model"),
+            "--port", str(port), "--worker-addr", f"ipc://{tmp_path}/r{port}.sock"]
+    terminal, stdin = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, env=isolated_env(cache_home, tmp_path), cwd=ROOT, stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=READY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=15)
+            raise AssertionError(f"the router did not exit:\n{out.decode(errors='replace')}") from None
+    finally:
+        os.close(stdin)
+        os.close(terminal)
+    log = out.decode(errors="replace")
+    assert proc.returncode == ExitCode.LOAD_ERROR, log
+    assert "model failed to load" in log and "no-such-model" in log, log
+    assert "exiting" in log, log
 
 
 def test_worker_without_memory_for_a_minimal_request_fails_with_a_breakdown(
