@@ -1,10 +1,10 @@
 """Answering a request's rows: one JSON body, or an SSE stream.
 
-A stream's headers wait for its first token: a request refused before it (a full queue,
-the worker's re-check, the quarantine, a lost worker) gets the same HTTP status and JSON
-body as one that does not stream. Until then the keepalive timer only looks for a client
-that left; once the stream has begun it sends keepalive comments while nothing else is
-said (a long prefill), writes every event already waiting as one chunk, ends with an error
+A stream's headers wait for its first token: a request refused before it (the worker's
+re-check, the quarantine, a lost worker) gets the same HTTP status and JSON body as one
+that does not stream. Until then the keepalive timer only looks for a client that left.
+Once the stream has begun it sends keepalive comments while nothing else is said (a tool
+call being written), writes every event already waiting as one chunk, ends with an error
 event (never a hang) when its worker is lost, and drops a client that stops reading, so a
 slow reader cannot make the router hold its output without bound.
 """
@@ -29,8 +29,8 @@ from router.output import Collector, Presenter
 log = logging.getLogger(__name__)
 
 # A started stream with nothing to say for ``Limits.keepalive_s`` (--sse-keepalive, 5 s)
-# sends an SSE comment, so a vanished client is noticed (the write fails) even during a long
-# prefill; before it starts, the same timer checks the connection instead.
+# sends an SSE comment, so a vanished client is noticed (the write fails); before its first
+# token (queued, or in a long prefill) the same timer checks the connection instead.
 # How often a stream whose client is behind looks at its buffer again (only while behind).
 DRAIN_POLL_S = 0.05
 
