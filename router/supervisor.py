@@ -46,6 +46,9 @@ STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits
 STALL_STEP_FACTOR = 5.0         # ... or this many times the worker's slowest step
 MONITOR_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our worker
+# A worker asked to restart (or that said it is stopping) finishes its running requests
+# first (its own grace, 10 s) and then exits: past this it is killed.
+LEAVE_TIMEOUT_S = 15.0
 STDERR_TAIL_LINES = 30
 
 
@@ -164,6 +167,10 @@ class Supervisor:
         self._deaths_before_ready = 0
         self._consecutive = 0
         self._proc: asyncio.subprocess.Process | None = None
+        # When our worker was asked to stop or said it is stopping: from then on its silence
+        # is its exit under way, not a hang (no heartbeats to it, no silence verdict), and
+        # only a process still there LEAVE_TIMEOUT_S later is killed.
+        self._leaving_at: float | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._wake = asyncio.Event()
         self._stopping = False
@@ -183,9 +190,7 @@ class Supervisor:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             log.info("[shutdown] stopping worker %d: %s", proc.pid, reason)
-            self.request_shutdown(reason)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            self._terminate(proc, reason)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
             except TimeoutError:
@@ -209,6 +214,14 @@ class Supervisor:
             self.dispatcher.send_to(self.incarnation, Shutdown(incarnation=self.incarnation,
                                                                reason=reason))
 
+    def _terminate(self, proc: asyncio.subprocess.Process, reason: str) -> None:
+        """Ask our worker to stop (a Shutdown, and SIGTERM for a loop that is not reading);
+        the monitor kills it only if it is still there LEAVE_TIMEOUT_S later."""
+        self._leaving_at = self.clock()
+        self.request_shutdown(reason)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
     def restart_now(self) -> None:
         """Operator action (SIGHUP, POST /admin/workers/restart): forget the crash history."""
         log.info("operator asked for a worker restart (state %s)", self.state)
@@ -217,7 +230,8 @@ class Supervisor:
         self._consecutive = 0
         if self.state is WorkerState.FAILED:
             self._set(WorkerState.RESTARTING, "restart requested by an operator")
-        self._kill("restart requested by an operator")
+        if self._proc is not None and self._proc.returncode is None:
+            self._terminate(self._proc, "restart requested by an operator")
         self._wake.set()
 
     # -- events ----------------------------------------------------------------------
@@ -243,8 +257,12 @@ class Supervisor:
 
     def on_worker_shutdown(self, incarnation: int, reason: str) -> None:
         log.info("worker %d says it is shutting down: %s", incarnation, reason)
-        if self.spawn_spec is None and incarnation == self.incarnation:
+        if incarnation != self.incarnation:
+            return
+        if self.spawn_spec is None:
             self._lost(incarnation, f"worker shut down: {reason}", WorkerState.DOWN)
+        elif self._leaving_at is None:
+            self._leaving_at = self.clock()  # its exit follows: wait for it, do not judge silence
 
     # -- spawned workers -------------------------------------------------------------
 
@@ -267,6 +285,7 @@ class Supervisor:
     async def _run_once(self, spec: SpawnSpec) -> int:
         self.incarnation = secrets.randbits(62)
         self._stderr_tail.clear()
+        self._leaving_at = None
         self._set(WorkerState.STARTING, "loading the model")
         proc = await asyncio.create_subprocess_exec(
             *spec.argv, "--incarnation", str(self.incarnation), env=spec.env,
@@ -347,6 +366,9 @@ class Supervisor:
     async def _monitor_loop(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
+            if self._leaving_at is not None:
+                self._hurry_exit(self._leaving_at)
+                continue
             incarnation = self.incarnation
             link = self.dispatcher.links.get(incarnation) if incarnation is not None else None
             if link is None:
@@ -355,6 +377,13 @@ class Supervisor:
             why = link.liveness.verdict(self.clock(), link.status, self.stall_timeout_s)
             if why is not None:
                 self._unresponsive(link.incarnation, why)
+
+    def _hurry_exit(self, since: float) -> None:
+        """A leaving worker is given LEAVE_TIMEOUT_S to exit by itself (it finishes running
+        requests first, up to its own grace), then killed."""
+        waited_s = self.clock() - since
+        if not self.is_exited and waited_s > LEAVE_TIMEOUT_S:
+            self._kill(f"still running {waited_s:.1f}s after it was asked to stop")
 
     def _unresponsive(self, incarnation: int, why: str) -> None:
         if self.spawn_spec is not None:

@@ -69,7 +69,7 @@ class DiskTier(Protocol):
     def entry_bytes(self, key: str) -> int: ...
     def load(self, key: str, tokens: int) -> list[Any] | None: ...
     def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
+    def close(self, timeout_s: float = ...) -> None: ...
 
 
 class EvictReason:
@@ -241,13 +241,15 @@ class PrefixCache:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int]) -> Hit | None:
+    def lookup(self, prompt: Sequence[int], restore_room: Callable[[int], bool] | None = None) -> Hit | None:
         """The reuse that saves ``prompt`` the most prefill, taken (pinned) for it, or None.
-        The caller releases it (``release``) when its row joins the batch or is dropped."""
+        The caller releases it (``release``) when its row joins the batch or is dropped.
+        ``restore_room``: may a disk read of this many bytes be made for this request (the
+        gate's ``can_restore``: only if the request still fits beside it)? Else ``room``."""
         ids = np.asarray(prompt, dtype=np.int64)
         hit = self._best_ram(ids)
         if self.disk is not None:
-            hit = self._from_disk(ids, hit)
+            hit = self._from_disk(ids, hit, restore_room)
         if hit is None:
             return None
         self._clock += 1
@@ -296,7 +298,7 @@ class PrefixCache:
             kind = "exact"
         return Hit(entry, use, kind, view(entry.cache, trim))
 
-    def _from_disk(self, ids: np.ndarray, ram: Hit | None) -> Hit | None:
+    def _from_disk(self, ids: np.ndarray, ram: Hit | None, room: Callable[[int], bool] | None) -> Hit | None:
         """A longer prefix on disk than in RAM: restore it if the gate has room for it."""
         assert self.disk is not None
         found = self.disk.longest_prefix(ids[:-1].tolist())
@@ -304,7 +306,7 @@ class PrefixCache:
             return ram
         tokens, key = found
         nbytes = self.disk.entry_bytes(key)
-        if not self._may_hold(nbytes):
+        if not self._may_hold(nbytes, room):
             return ram
         cache = self.disk.load(key, tokens)
         if cache is None:
@@ -378,8 +380,8 @@ class PrefixCache:
             self._drop(e, EvictReason.CAPACITY)
         return True
 
-    def _may_hold(self, nbytes: int) -> bool:
-        return nbytes <= self.max_bytes and self.max_entries > 0 and self.room(nbytes)
+    def _may_hold(self, nbytes: int, room: Callable[[int], bool] | None = None) -> bool:
+        return nbytes <= self.max_bytes and self.max_entries > 0 and (room or self.room)(nbytes)
 
     def _drop(self, entry: Entry, reason: str) -> int:
         self.entries.remove(entry)
@@ -406,6 +408,7 @@ class PrefixCache:
             "tiers": {"ram": ram, "disk": self.disk.stats() if self.disk is not None else None},
         }
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the disk tier's writer, writing what is queued within ``timeout_s``."""
         if self.disk is not None:
-            self.disk.close()
+            self.disk.close() if timeout_s is None else self.disk.close(timeout_s)

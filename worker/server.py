@@ -53,6 +53,9 @@ SLOW_STEP_S = 1.5 * STEP_BUDGET_S
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
 SHUTDOWN_GRACE_S = 10.0
+# At exit, the disk tier's queued writes get this long; what is left is not written (a
+# restart then serves those prompts cold), so a worker asked to stop is gone within 2 s.
+EXIT_WRITES_S = 1.0
 # After the router is gone, give the loop this long to exit on its own.
 ORPHAN_EXIT_S = 5.0
 
@@ -234,8 +237,9 @@ class WorkerServer:
 
     def shutdown(self) -> int:
         log.info("[shutdown] worker %d: %s", os.getpid(), self.stop_reason)
+        at = [time.monotonic()]
         grace = 0 if self._broken or self.stop_reason == "router gone" else SHUTDOWN_GRACE_S
-        deadline = time.monotonic() + grace
+        deadline = at[0] + grace
         while self.engine.has_work and time.monotonic() < deadline:
             started = time.perf_counter()
             self.receive(timeout_ms=0)
@@ -245,11 +249,17 @@ class WorkerServer:
         if failed:
             self.send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
         self.send(Shutdown(incarnation=self.opts.incarnation, reason=self.stop_reason or ""))
+        at.append(time.monotonic())
         self.heartbeat.stopped.set()
-        if self.cache is not None:
-            self.cache.close()
+        if self.cache is not None:  # queued writes get a bounded share of the exit's time
+            self.cache.close(EXIT_WRITES_S)
+        at.append(time.monotonic())
+        self.heartbeat.join(timeout=1.0)  # its socket must close before the context ends
         self.sock.close(0)
         self.ctx.term()
+        at.append(time.monotonic())
+        log.info("[shutdown] done in %.3f s (running requests %.3f s, prompt cache %.3f s, sockets %.3f s)",
+                 at[-1] - at[0], *(b - a for a, b in zip(at, at[1:])))
         return self.exit_code
 
     def _wedge(self) -> None:
@@ -354,11 +364,15 @@ class WorkerServer:
             if pending is True:
                 return
             reject = pending or None
-        # Taken (promised) before admission may evict: the entry this request reuses stays.
-        hit = self.cache.lookup(msg.prompt_ids) if reject is None and self.cache is not None else None
+        # Taken (promised) before admission may evict: the entry this request reuses stays,
+        # unless the request fits only without it (the gate then lets go of it: ``cold``).
+        n, view = len(msg.prompt_ids), self.view()
+        hit = self.cache.lookup(msg.prompt_ids, self.gate.restore_room(view, n, msg.max_tokens)) \
+            if reject is None and self.cache is not None else None
         at.append(time.perf_counter())
         if reject is None:
-            decision = self.gate.can_admit(self.view(), len(msg.prompt_ids), msg.max_tokens)
+            decision = self.gate.can_admit(view, n, msg.max_tokens, reuse=hit)
+            hit = None if decision.cold else hit
             at.append(time.perf_counter())
             if not decision.admit:
                 assert decision.reason is not None
