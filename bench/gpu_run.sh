@@ -26,12 +26,15 @@ case "${1:-}" in
       cat /root/stash/part-aa "$whl"/b/part-ab > "$cuda_whl" || exit 3
       python3 -m pip install -q --no-index --no-deps --no-compile "$cuda_whl" "$whl"/b/*.whl || exit 3
     fi
-    # The router imports llguidance (constrained decoding); its wheel travels in .whl/c.
-    if ! python3 -c 'import llguidance' 2>/dev/null; then
-      python3 -m pip install -q --no-index --no-deps --no-compile "$whl"/c/*.whl || exit 3
+    # llguidance (constrained decoding) travels in .whl/c. The image may hold an older one:
+    # whatever is older than pyproject's floors is replaced (an llguidance 1.6.1 left there
+    # failed every grammar request), checked by the worker's own rule.
+    if ! (cd "$here" && python3 -c 'import sys; from worker.requirements import too_old; sys.exit(bool(too_old()))'); then
+      python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$whl"/c/*.whl || exit 3
     fi
     ;;
 esac
+(cd "$here" && python3 -c 'import sys; from worker.requirements import too_old; p = too_old(); print("too old:", p) if p else None; sys.exit(bool(p))') || exit 3
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), mx.device_info())' || exit 3
 [ $# -eq 0 ] && exit 0
 cd "$here" && PYTHONUNBUFFERED=1 exec python3 -m bench.gpu_run "$@"
