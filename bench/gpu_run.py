@@ -39,10 +39,13 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "shape", "ttft", "split", "memory", "profile", "serve")
+PARTS = ("info", "build", "shape", "ttft", "faults", "split", "memory", "profile", "serve")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
@@ -262,6 +265,97 @@ def part_ttft(args: argparse.Namespace) -> dict[str, Any]:
             router.stop()
             append_log(args.out, "ttft router", router.proc.log_path)
     return {"limit_mb": limit_mb, "healthy_after_s": round(router.startup_s or 0, 2), **seq}
+
+
+# --- faults -----------------------------------------------------------------------------
+
+# The JSON and the tool call that killed the worker on the H200 when its llguidance was old.
+_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                             "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+           "required": ["name", "age"], "additionalProperties": False}
+_GRAMMAR_BODIES = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": _PERSON}}},
+    "tool_choice_required": {"tools": [{"type": "function", "function": {"name": "f", "parameters": _PERSON}}],
+                             "tool_choice": "required"},
+}
+_UNCLEAN = ("SIGKILL", "killing worker", "Host unreachable", "did not stop")
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, Any]:
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _restart_timing(url: str, how: str, timeout_s: float) -> dict[str, Any]:
+    """Seconds from the restart (operator's, or SIGKILL of the worker) to the old process
+    gone and to the new worker's first answer."""
+    old = worker_of(_http("GET", url + "/health")[1]).get("pid")
+    started = time.monotonic()
+    if how == "restart":
+        _http("POST", url + "/admin/workers/restart")
+    else:
+        os.kill(old, signal.SIGKILL)
+    gone_s = None
+    deadline = started + timeout_s
+    while time.monotonic() < deadline:
+        if gone_s is None and _pid_gone(old):
+            gone_s = time.monotonic() - started
+        status, health = _http("GET", url + "/health")
+        if status == 200 and worker_of(health).get("pid") not in (None, old) and gone_s is not None:
+            break
+        time.sleep(0.05)
+    ready_s = time.monotonic() - started
+    status, _ = _http("POST", url + "/v1/completions", {"model": "m", "prompt": "after", "max_tokens": 4})
+    return {"old_pid_gone_s": None if gone_s is None else round(gone_s, 3), "ready_s": round(ready_s, 2),
+            "served_s": round(time.monotonic() - started, 2), "status": status,
+            "restart": worker_of(_http("GET", url + "/health")[1]).get("last_exit")}
+
+
+def part_faults(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 30 on the GPU: grammar requests (each alone and beside plain ones) leave the
+    worker serving; an operator restart and a SIGKILL, timed; a stop with no SIGKILL."""
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    out: dict[str, Any] = {"limit_mb": limit_mb}
+    with tempfile.TemporaryDirectory(prefix="gpu-faults-") as tmp:
+        router = start_router(args, Path(tmp), limit_mb, args.router_arg)
+        out["healthy_after_s"] = round(router.startup_s or 0, 2)
+        url = router.url
+        try:
+            pid = worker_of(_http("GET", url + "/health")[1]).get("pid")
+            msgs = [{"role": "user", "content": "Who is it?"}]
+            for name, extra in _GRAMMAR_BODIES.items():
+                status, body = _http("POST", url + "/v1/chat/completions",
+                                     {"model": "m", "messages": msgs, "max_tokens": 64, "temperature": 0, **extra})
+                choice = (body or {}).get("choices", [{}])[0] if status == 200 else {}
+                out[name] = {"status": status, "finish": choice.get("finish_reason"),
+                             "message": choice.get("message") if status == 200 else body}
+            out["same_pid_after_grammars"] = worker_of(_http("GET", url + "/health")[1]).get("pid") == pid
+            for how in ("restart", "sigkill", "restart"):
+                out.setdefault("restarts", []).append({"how": how, **_restart_timing(url, how, 120.0)})
+        finally:
+            started = time.monotonic()
+            router.stop()
+            out["stop_s"] = round(time.monotonic() - started, 2)
+            log_text = router.proc.log_path.read_text(errors="replace")
+            out["unclean_lines"] = [line for line in log_text.splitlines() if any(u in line for u in _UNCLEAN)][:20]
+            out["worker_timing_lines"] = [line for line in log_text.splitlines()
+                                          if any(k in line for k in ("[shutdown] done", "loaded", "calibrat",
+                                                                     "warm", "ready:", "spawned"))][:40]
+            append_log(args.out, "faults router", router.proc.log_path)
+    return out
 
 
 # --- split ------------------------------------------------------------------------------
@@ -574,7 +668,8 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "info": part_info, "build": part_build, "shape": part_shape, "ttft": part_ttft, "split": part_split, "memory": part_memory,
+    "info": part_info, "build": part_build, "shape": part_shape, "ttft": part_ttft, "faults": part_faults,
+    "split": part_split, "memory": part_memory,
     "profile": part_profile, "serve": part_serve}
 
 
