@@ -24,17 +24,21 @@ is charged to that step) and *evictable* (prefix-cache entries no request holds,
 through a ``CacheView``). Entries queued for the disk tier's writer are used and not
 evictable until written (``CacheLedger.writing_bytes``, ``pending_bytes``). Evictable bytes are used memory, never counted as free for
 promised work nor credited to admission; they are given back, least recently used first,
-before a request would wait (``can_admit``), before a chunk is shrunk (``chunk``) and long
-before a running request is stopped under pressure (``pressure``).
+before a request would wait (``can_admit``: the entry handed to that request itself
+included, and a disk read is not made that it would have to give back: ``can_restore``),
+before a chunk is shrunk (``chunk``) and long before a running request is stopped under
+pressure (``pressure``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,12 +112,14 @@ class CacheLedger:
 
 class CacheView(Protocol):
     """What the gate may ask of the prefix cache: its ledger, to give bytes back (least
-    recently used, whole entries, never a promised one; returns the bytes freed), and to
-    have the disk writer write now what it holds (``hurry``: it otherwise waits for an
-    idle engine, and entries it holds cannot be given back until written)."""
+    recently used, whole entries, never a promised one; returns the bytes freed), to let go
+    of a reuse handed to a request (``release``: its entry is then evictable like any
+    other), and to have the disk writer write now what it holds (``hurry``: it otherwise
+    waits for an idle engine, and entries it holds cannot be given back until written)."""
 
     def ledger(self) -> CacheLedger: ...
     def evict(self, nbytes: int, reason: str) -> int: ...
+    def release(self, hit: Any) -> None: ...
     def hurry(self) -> None: ...
 
 
@@ -125,6 +131,9 @@ class NoCache:
 
     def evict(self, nbytes: int, reason: str) -> int:
         return 0
+
+    def release(self, hit: Any) -> None:
+        pass
 
     def hurry(self) -> None:
         pass
@@ -156,6 +165,7 @@ class Decision:
     message: str = ""
     needed_bytes: int = 0           # never-fits: the idle cost; not-now: the batch worst case
     worst_bytes: int = 0            # admit: the batch's new worst case, to reserve
+    cold: bool = False              # the reuse it was handed was given back: it runs without it
 
     @property
     def admit(self) -> bool:
@@ -271,7 +281,13 @@ class MemoryGate:
 
     # -- admission: ask, then commit -------------------------------------------------
 
-    def can_admit(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> Decision:
+    def can_admit(self, view: EngineView, prompt_tokens: int, max_tokens: int,
+                  reuse: Any = None) -> Decision:
+        """May this request join now? ``reuse``: the prefix-cache hit handed to it (held
+        for it, so not evictable). What the worker holds only to save prefill is given back
+        before the request waits: MLX's buffer cache, then cached prompts no request holds,
+        then its own reuse (it then runs cold: ``Decision.cold``). Only memory the worker
+        cannot give back (running rows, promises, another process) makes it wait."""
         m = self.model
         if prompt_tokens + max_tokens > m.context_length:
             return Decision(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
@@ -291,18 +307,45 @@ class MemoryGate:
             self.memory.probe.clear_cache()
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
+        cold = False
         while not fits and worst <= m.budget_bytes:
+            shortfall = worst - old_worst - self.free_bytes()
+            evictable = self.cache.ledger().evictable_bytes
+            if reuse is not None and shortfall > evictable:
+                # The entry it would reuse is held for it, so never counted as evictable:
+                # a request that fits cold must not wait for room its own reuse holds (with
+                # nothing running it would wait for ever). It lets go and runs cold.
+                self.cache.release(reuse)
+                reuse, cold = None, True
+                continue
             # Cached prompts no request holds go before any request waits for memory (only
             # when giving them back is enough: otherwise the request waits for running rows).
-            shortfall = worst - old_worst - self.free_bytes()
-            if not 0 < shortfall <= self.cache.ledger().evictable_bytes \
-                    or self.cache.evict(shortfall, "admission") <= 0:
+            if not 0 < shortfall <= evictable or self.cache.evict(shortfall, "admission") <= 0:
                 break
             fits, worst = self._fits(view, prompt_tokens, max_tokens)
         if not fits:
             self._hurry_writer()
-            return Decision(RejectReason.NOT_NOW, "no room now", worst)
-        return Decision(None, worst_bytes=worst)
+            return Decision(RejectReason.NOT_NOW, "no room now", worst, cold=cold)
+        return Decision(None, worst_bytes=worst, cold=cold)
+
+    def can_restore(self, nbytes: int, view: EngineView, prompt_tokens: int, max_tokens: int) -> bool:
+        """May a disk read of ``nbytes`` be made for this request? Into free memory only
+        (``can_hold``), and only if the request still fits beside it once what is evictable
+        is given back: a read it would have to give back again to run is not made (the
+        request runs cold), nor one that would leave it waiting with nothing running."""
+        if not self.can_hold(nbytes):
+            return False
+        if not self.admission:
+            return True
+        free = self.free_bytes() - nbytes + self.cache.ledger().evictable_bytes
+        fits, _ = costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
+                                     view.prefilling, free)
+        return fits
+
+    def restore_room(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> Callable[[int], bool]:
+        """``can_restore`` for one request, as the prefix cache's lookup asks it."""
+        return functools.partial(self.can_restore, view=view, prompt_tokens=prompt_tokens,
+                                 max_tokens=max_tokens)
 
     def reserve(self, decision: Decision) -> None:
         """Commit an admission: the batch's worst case is now promised."""
