@@ -134,8 +134,7 @@ class Engine:
         """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
         ``boundaries`` (message ends) cut the rest into segments whose KV is stored."""
         cached = hit.tokens if hit is not None else 0
-        ends = [*(boundaries or ()), *([] if self.can_trim else [len(prompt_ids) - 1])]
-        cuts = sorted({b for b in ends if cached < b < len(prompt_ids)}) if self.cache else []
+        cuts = self._cuts(cached, len(prompt_ids), boundaries or []) if self.cache else []
         edges = [cached, *cuts, len(prompt_ids)]
         (uid,) = self.generator.insert_segments(
             [[prompt_ids[a:b] for a, b in zip(edges, edges[1:])]],
@@ -151,6 +150,23 @@ class Engine:
                       boundaries=cuts or None)
         self.running[request_id] = run
         self._by_uid[uid] = run
+
+    def _cuts(self, cached: int, num_tokens: int, boundaries: list[int]) -> list[int]:
+        """Where the prompt's prefill stops so that a prefix's KV can be stored; each stop
+        costs the row a step before its first token.
+
+        A cache that cannot trim is served only by exact prefixes: every message boundary,
+        and the prompt less its last token. One that can trim is served at any of them by
+        trimming the finished row's entry (prompt and answer), so it stops once at most: at
+        the first boundary (the system prompt and tools, which other conversations share,
+        stored while this one still runs), and only when nothing of the prompt was cached.
+        A cached turn's rest is then prefilled in as few steps as a cold prompt that long.
+        """
+        ends = boundaries if self.can_trim else [*boundaries, num_tokens - 1]
+        inside = sorted({b for b in ends if cached < b < num_tokens})
+        if self.can_trim:
+            return inside[:1] if cached == 0 else []
+        return inside
 
     def cancel(self, request_id: str) -> bool:
         run = self.running.pop(request_id, None)

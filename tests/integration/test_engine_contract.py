@@ -204,3 +204,42 @@ def test_a_message_boundary_is_stored_before_the_row_moves_on(cache_home: Path) 
     assert [o.request_id for o in outputs] == ["turn"]
     while engine.has_work:
         engine.step()
+
+
+def steps_to_first_token(engine: Engine, request_id: str) -> int:
+    steps = 0
+    while not any(o.request_id == request_id for o in engine.step()):
+        steps += 1
+        assert steps < 50, "no first token"
+    return steps + 1
+
+
+def test_a_cached_turns_rest_takes_as_few_steps_as_a_cold_prompt_that_long(cache_home: Path) -> None:
+    """Agents resend the whole conversation each turn: the part after the cached prefix,
+    with the chat's message boundaries inside it, is prefilled in as many steps as a cold
+    prompt of its length (a trimmable cache is served at those boundaries by trimming the
+    finished row's entry, so nothing stops the chunk there)."""
+    from worker.prefix_cache import PrefixCache
+
+    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
+                    prefill_batch_size=8, max_batch_size=8)
+    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
+    engine.kv_bytes_per_token = 1
+    assert engine.can_trim
+    turn1 = list(range(3, 83))
+    engine.add("turn1", turn1, max_tokens=4, sampling=GREEDY, boundaries=[40, 70])
+    while engine.has_work:
+        engine.step()
+        engine.store_pending()
+    turn2 = turn1 + list(range(100, 140))  # answer, tool result and the next question
+    hit = engine.cache.lookup(turn2)
+    assert hit is not None and hit.tokens >= len(turn1)
+    engine.add("turn2", turn2, max_tokens=2, sampling=GREEDY, hit=hit, boundaries=[40, 70, 95, 125])
+    cached_steps = steps_to_first_token(engine, "turn2")
+    while engine.has_work:
+        engine.step()
+    engine.add("cold", list(range(200, 200 + len(turn2) - hit.tokens)), max_tokens=2, sampling=GREEDY)
+    assert cached_steps == steps_to_first_token(engine, "cold") == 1
+    while engine.has_work:
+        engine.step()
