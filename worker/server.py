@@ -384,13 +384,23 @@ class WorkerServer:
                 self.cache.release(hit)
             self.send(reject)
             return
+        try:  # its sampler and processors are built here: a failure is this request's own
+            self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
+                            sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
+        except Exception as exc:
+            if is_memory_error(exc):
+                raise
+            log.warning("could not start: %s: %s", type(exc).__name__, exc, extra=about(msg.request_id))
+            if hit is not None and self.cache is not None:
+                self.cache.release(hit)
+            self.send(self._reject(msg, RejectReason.REQUEST_FAILED,
+                                   f"the request could not start: {type(exc).__name__}: {exc}"))
+            return
         if self.cache is not None:
             self.cache.record(hit)
         debug = log.isEnabledFor(logging.DEBUG)
         if debug:
             self._admitted_at[msg.request_id] = time.perf_counter()
-        self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                        sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
         at.append(time.perf_counter())
         self.gate.reserve(decision)
         self._changed = True

@@ -1,7 +1,7 @@
 """A real mlx-worker with one test double inside: a row's grammar matcher or sampler that
 raises mid-run, for requests the test marks, or (``llguidance``) a grammar library that
 cannot build any grammar, as an llguidance older than ours failed on our EOS list. Run as
-``python -m tests.integration.faulty_worker grammar|sampler|llguidance <mlx-worker args>``.
+``python -m tests.integration.faulty_worker grammar|sampler|sampler_start|llguidance <args>``.
 
 The product has no fault flag: the double replaces the one callable the engine builds for
 a marked row (a grammar naming ``POISON``, or a sampler seeded with ``POISON_SEED``), so
@@ -15,7 +15,8 @@ from typing import Any
 
 POISON = "poison_field"     # a response_format schema property that marks the faulty row
 POISON_SEED = 4242          # a sampling seed that marks the faulty row
-FAULT_AT_CALL = {"grammar": 3, "sampler": 1}   # the grammar after two tokens; the sampler at once
+# The grammar after two tokens; the sampler at its first call; "sampler_start" as it is built.
+FAULT_AT_CALL = {"grammar": 3, "sampler": 1, "sampler_start": 0}
 
 
 def install(kind: str) -> None:
@@ -57,6 +58,8 @@ def install(kind: str) -> None:
             sampler = real_make(p)
             if p.seed != POISON_SEED:
                 return sampler
+            if at == 0:
+                raise ValueError("injected fault in the sampler's construction")
             calls = [0]
 
             def faulty(logprobs: Any) -> Any:

@@ -48,7 +48,7 @@ def start(tmp_path: Path, cache_home: Path, kind: str) -> tuple[Router, Proc]:
     return router, worker
 
 
-@pytest.fixture(params=["grammar", "sampler"])
+@pytest.fixture(params=["grammar", "sampler", "sampler_start"])
 def served(request: pytest.FixtureRequest, tmp_path: Path, cache_home: Path) -> Iterator[tuple[str, Router, Proc]]:
     router, worker = start(tmp_path, cache_home, request.param)
     yield request.param, router, worker
@@ -101,7 +101,7 @@ def test_a_failing_row_ends_alone(served: tuple[str, Router, Proc]) -> None:
     error = body.get("error", body)
     assert error.get("code") == "request_failed", failed.body
     assert "injected fault" in error.get("message", ""), failed.body
-    if kind == "sampler":  # it failed before any token: a plain HTTP 500, not a stream
+    if kind != "grammar":  # it failed before any token: a plain HTTP 500, not a stream
         assert isinstance(failed, openai.InternalServerError)
     # The worker never restarted: same process, still ready, and grammars still work.
     assert worker.popen.poll() is None, worker.log()
