@@ -20,7 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from common.errors import HeadroomError
+from common.errors import HeadroomError, RequestFailed
+from common.log import about
 from router.http_errors import public_error
 from router.job import Rows, TokenEvent
 from router.limits import Limits
@@ -74,7 +75,11 @@ class Responder:
 
     def feed(self, rows: Rows, collectors: list[Collector], index: int, event: TokenEvent) -> None:
         c = collectors[index]
-        c.feed(event)
+        try:
+            c.feed(event)
+        except Exception as exc:  # its detokenizer, stop strings or parser: this request's failure
+            log.exception("reading a row's output back failed", extra=about(rows.jobs[index].request_id))
+            raise RequestFailed(f"reading the output back failed: {type(exc).__name__}: {exc}") from exc
         if c.finished:  # a stop string may end a choice while its row still runs
             self.cancel(rows.jobs[index])
 
@@ -104,8 +109,14 @@ class Responder:
                     raise event  # nothing sent yet: the status and body a non-streamed request gets
                 await self.write(request, response, present.error(public_error(event)))
                 return response
+            try:
+                chunk = self.drain(rows, collectors, present, index, event)
+            except RequestFailed as exc:
+                if response is None:
+                    raise
+                await self.write(request, response, present.error(exc))
+                return response
             response = response or await self.start_stream(request)
-            chunk = self.drain(rows, collectors, present, index, event)
             if chunk:
                 await self.write(request, response, chunk)
                 sent = time.monotonic()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from common.log import about
 from worker.gate import is_memory_error
 from worker.grammar import GrammarProcessor
 
@@ -45,7 +46,7 @@ class RowFailures:
             raise exc  # the step's memory, not the row's fault: the gate's recovery handles it
         if request_id not in self._failed:
             log.warning("%s failed: %s: %s", what, type(exc).__name__, exc,
-                        exc_info=log.isEnabledFor(logging.DEBUG), extra={"request_id": request_id})
+                        exc_info=log.isEnabledFor(logging.DEBUG), extra=about(request_id))
             self._failed[request_id] = f"{what} failed: {type(exc).__name__}: {exc}"
 
     def processors(self, request_id: str, processors: list[LogitsProcessor]) -> list[LogitsProcessor]:
