@@ -467,6 +467,7 @@ class FakeCache:
         self.evicted: list[tuple[int, str]] = []
         self.pending = 0                # bytes out of RAM, held by the disk writer
         self.hurried = 0                # times the gate asked the writer to write now
+        self.released: list[Any] = []   # hits the gate let go of
         probe.active_bytes += sum(sizes)
 
     def ledger(self) -> CacheLedger:
@@ -482,6 +483,13 @@ class FakeCache:
             self.evicted.append((size, reason))
             freed += size
         return freed
+
+    def release(self, hit: Any) -> None:
+        """The hit's entry (the newest promised one) is no longer held: evictable, and the
+        least recently used of the evictable ones (it was promised before they were used)."""
+        assert self.promised > 0
+        self.promised -= 1
+        self.released.append(hit)
 
     def hurry(self) -> None:
         self.hurried += 1
@@ -632,3 +640,84 @@ def test_the_scale_windows_max_is_the_largest_ratio_of_the_last_minute(
         seen.append((now, ratio))
         expected = max((r for t, r in seen if now - t <= SCALE_WINDOW_S), default=0.0)
         assert tracker.window_max(now) == expected
+
+
+# -- nothing waits on memory the worker could give back (issue 30) -------------------------
+
+REUSE = object()  # the hit handed to the request being admitted: the cache's newest promise
+
+
+def cost_between(gate: MemoryGate, low: int, high: int) -> tuple[int, int]:
+    """A (prompt, max_tokens) whose cost on an idle worker is in (low, high]."""
+    for prompt in range(256, gate.model.context_length, 256):
+        cost = costmodel.request_cost_bytes(gate.model, prompt, 16)
+        if low < cost <= high:
+            return prompt, 16
+    raise AssertionError(f"no request costs between {low} and {high} bytes")
+
+
+def test_a_request_that_fits_only_without_its_own_reuse_runs_cold_at_once() -> None:
+    # The issue's stall: nothing running, the entry the request would reuse held for it,
+    # and the request too big to run beside it. Before, "no room now" for ever.
+    gate, probe, cache = cached_gate(400 * MIB, promised=1)
+    prompt, max_tokens = cost_between(gate, gate.free_bytes(), gate.model.budget_bytes)
+    assert gate.can_admit(view(), prompt, max_tokens).reason is RejectReason.NOT_NOW, \
+        "its reuse is held: with no way to let go of it the request would wait"
+    decision = gate.can_admit(view(), prompt, max_tokens, reuse=REUSE)
+    assert decision.admit and decision.cold
+    assert cache.released == [REUSE] and cache.evicted == [(400 * MIB, "admission")]
+
+
+def test_a_request_that_fits_beside_its_reuse_keeps_it() -> None:
+    gate, probe, cache = cached_gate(100 * MIB, promised=1)
+    decision = gate.can_admit(view(), 1000, 100, reuse=REUSE)
+    assert decision.admit and not decision.cold
+    assert not cache.released and not cache.evicted
+
+
+def test_other_cached_prompts_go_before_the_requests_own_reuse() -> None:
+    gate, probe, cache = cached_gate(200 * MIB, 300 * MIB, promised=1)  # its reuse, then another
+    prompt, max_tokens = cost_between(gate, gate.free_bytes(), gate.free_bytes() + 300 * MIB)
+    decision = gate.can_admit(view(), prompt, max_tokens, reuse=REUSE)
+    assert decision.admit and not decision.cold
+    assert cache.evicted == [(300 * MIB, "admission")] and not cache.released
+
+
+def test_a_reuse_given_back_in_vain_is_still_reported_so_it_is_not_released_twice() -> None:
+    # Another process holds the room: the request waits, and its hit was already let go of.
+    gate, probe, cache = cached_gate(50 * MIB, promised=1)
+    probe.system_available_bytes = 10 * MIB
+    decision = gate.can_admit(view(), 3000, 500, reuse=REUSE)
+    assert decision.reason is RejectReason.NOT_NOW and decision.cold
+    assert cache.released == [REUSE] and not cache.evicted, "giving it back would not be enough"
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 400 * MIB), max_size=6), held=st.booleans(),
+       prompt=st.integers(1, 8000), max_tokens=st.integers(1, 4000))
+def test_with_nothing_running_a_request_that_fits_alone_is_never_held_back(
+        sizes: list[int], held: bool, prompt: int, max_tokens: int) -> None:
+    """Whatever the prompt cache holds (its own reuse among it or not), with nothing running,
+    nothing promised to another request and nothing being written, a request an idle worker
+    can hold is admitted now: nothing else could ever make room for it."""
+    gate, probe, cache = cached_gate(*sizes, promised=1 if held and sizes else 0)
+    decision = gate.can_admit(view(), prompt, max_tokens, reuse=REUSE if held and sizes else None)
+    if prompt + max_tokens > gate.model.context_length or costmodel.never_fits(gate.model, prompt, max_tokens):
+        assert decision.reason is RejectReason.NEVER_FITS
+    else:
+        assert decision.admit, (sizes, held, prompt, max_tokens, decision)
+
+
+def test_a_disk_read_is_made_only_if_the_request_still_fits_beside_it() -> None:
+    gate, probe = make_gate()
+    prompt, max_tokens = cost_between(gate, gate.free_bytes() - 300 * MIB, gate.free_bytes() - 200 * MIB)
+    assert gate.can_restore(150 * MIB, view(), prompt, max_tokens)
+    assert not gate.can_restore(350 * MIB, view(), prompt, max_tokens), \
+        "it would have to give the read back again to run: served cold, no read"
+    # Cached prompts no request holds would be given back for the request: the read still fits.
+    gate, probe, cache = cached_gate(300 * MIB)
+    assert gate.free_bytes() - 150 * MIB < costmodel.request_cost_bytes(gate.model, prompt, max_tokens)
+    assert gate.can_restore(150 * MIB, view(), prompt, max_tokens)
+    assert not cache.evicted, "asking evicts nothing"
+    room = gate.restore_room(view(), prompt, max_tokens)
+    assert room(150 * MIB) and not room(350 * MIB)

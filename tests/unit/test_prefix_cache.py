@@ -259,6 +259,22 @@ def test_no_room_or_a_corrupt_file_means_the_ram_hit_or_a_cold_start() -> None:
     assert hit is not None and hit.tokens == 100 and "a" not in disk.files
 
 
+def test_a_disk_read_the_request_could_not_run_beside_is_not_made() -> None:
+    # The gate's can_restore for this request says no: the RAM hit (or a cold start) instead,
+    # never a read it would have to give back again to run.
+    disk = FakeDisk()
+    cache, _ = make(disk=disk)
+    disk.files["a"] = seq(300)
+    put(cache, seq(100))
+    asked: list[int] = []
+    hit = cache.lookup(seq(400), restore_room=lambda nbytes: asked.append(nbytes) is not None)
+    assert hit is not None and hit.kind == "prefix" and hit.tokens == 100
+    assert asked == [300 * PER_TOKEN] and disk.loads == []
+    cache.release(hit)
+    hit = cache.lookup(seq(400), restore_room=lambda nbytes: True)
+    assert hit is not None and hit.kind == "disk" and disk.loads == ["a"]
+
+
 def test_entries_queued_for_the_disk_writer_are_held_and_not_evictable_until_written() -> None:
     disk = FakeDisk(slow=True)
     cache, cleared = make(max_entries=1, disk=disk)
