@@ -204,7 +204,9 @@ class ScaleTracker:
         self.worst_ratio = max(self.worst_ratio, ratio / self.scale)
         self._remember(now, ratio)
         if ratio > self.scale:
-            return self._set(ratio * GROWTH_MARGIN, now, f"step peak x{ratio / self.scale:.2f} over prediction")
+            # Said against the fitted prediction, the one compared: the growth is to this
+            # ratio, never by it (a line per step "x1.2 over" the scaled one read as compounding).
+            return self._set(ratio * GROWTH_MARGIN, now, f"step peak x{ratio:.2f} over the fitted prediction")
         return self._decay(now)
 
     def grow(self, factor: float, now: float, why: str) -> bool:

@@ -413,6 +413,35 @@ def test_observe_step_applies_the_scale_to_the_model_admission_uses() -> None:
     assert gate.scale_report(now=2.0)["scale"] == pytest.approx(3.0 * GROWTH_MARGIN, rel=1e-3)
 
 
+def overshoot(gate: MemoryGate, probe: FakeProbe, ratio: float, now: float) -> float:
+    """One step whose peak is ``ratio`` times the prediction the server compares it with
+    (``predict_step``'s, made after any earlier growth); returns that prediction."""
+    predicted = gate.predict_step(view(3000, prefilling=1), 512, None)
+    probe.active_bytes = WEIGHTS + int(ratio * predicted)
+    gate.observe_step(predicted, now)
+    probe.active_bytes = WEIGHTS
+    return predicted
+
+
+def test_a_run_of_overshoots_the_scale_covers_does_not_grow_it_again() -> None:
+    # Issue 25: "step peak x1.03-1.52 over prediction", read as compounding. The prediction
+    # compared is the fitted one (scale 1), never the scaled one: the same overshoot again
+    # finds the scale covering it, so the scale is that ratio (and margin), not ratio^n.
+    gate, probe = make_gate()
+    predictions = {overshoot(gate, probe, 1.3, now=float(i)) for i in range(10)}
+    assert len(predictions) == 1, "the prediction compared does not move with the scale"
+    assert gate.tracker.scale == pytest.approx(1.3 * GROWTH_MARGIN)
+    assert [c.why for c in gate.tracker.history].count("step peak x1.30 over the fitted prediction") == 1
+    # Smaller overshoots, still above the fitted model, are covered too: no growth at all.
+    for i, ratio in enumerate([1.1, 1.25, 1.2, 1.3], start=10):
+        overshoot(gate, probe, ratio, now=float(i))
+    assert gate.tracker.scale == pytest.approx(1.3 * GROWTH_MARGIN) and len(gate.tracker.history) == 2
+    # A larger one grows it to that ratio, from the fitted model: 1.5, not 1.3 x 1.5.
+    overshoot(gate, probe, 1.5, now=20.0)
+    assert gate.tracker.scale == pytest.approx(1.5 * GROWTH_MARGIN)
+    assert gate.model.scale == gate.tracker.scale and gate.fitted.scale == 1.0
+
+
 # -- errors -------------------------------------------------------------------------------
 
 
