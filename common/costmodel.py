@@ -21,6 +21,8 @@ __all__ = [
     "CostModel",
     "kv_bytes_per_token",
     "roundup",
+    "kv_reach_tokens",
+    "kv_aligned_chunk",
     "batch_kv_bytes",
     "prefill_transient_bytes",
     "forward_transient_bytes",
@@ -47,6 +49,25 @@ MIN_CHUNK_TOKENS = 32
 def roundup(tokens: int, step: int = KV_STEP_TOKENS) -> int:
     """Round up to the cache's growth step (0 stays 0)."""
     return -(-max(tokens, 0) // step) * step
+
+
+def kv_reach_tokens(total_tokens: int, cached_tokens: int = 0) -> int:
+    """The longest a row's KV buffer gets. mlx-lm sizes a row that starts from a cached
+    prefix to exactly that prefix, and every later growth adds whole steps to wherever the
+    buffer stands: such a row reaches ``cached + roundup(rest)``, up to a step beyond
+    ``roundup(total)``. Charged as its length, so the padded shape stays exact."""
+    if cached_tokens % KV_STEP_TOKENS == 0:
+        return total_tokens
+    return cached_tokens + roundup(total_tokens - cached_tokens)
+
+
+def kv_aligned_chunk(tokens: int) -> int:
+    """The largest prefill chunk of at most ``tokens`` that keeps the KV buffer's growths at
+    whole steps from the prompt's start (a multiple of the step, or a power of two below
+    it): a chunk of 300 would leave the next growth starting at token 300."""
+    if tokens >= KV_STEP_TOKENS:
+        return tokens // KV_STEP_TOKENS * KV_STEP_TOKENS
+    return 1 << (max(tokens, 1).bit_length() - 1)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

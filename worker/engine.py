@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+from common import costmodel
 from common.protocol import SamplingParams
 from worker.containment import RowFailures
 from worker.grammar import GrammarCompiler
@@ -348,5 +349,7 @@ class Engine:
         return sum(1 for r in self.running.values() if not r.decoding)
 
     def totals(self) -> list[int]:
-        """prompt + max_tokens of every running request, oldest first: the padded shape."""
-        return [r.total_tokens for r in self.running.values()]
+        """How long each running request's KV can get (prompt + max_tokens, more for a row
+        that started from a cached prefix off the cache's step), oldest first: the padded
+        shape."""
+        return [costmodel.kv_reach_tokens(r.total_tokens, r.cached_tokens) for r in self.running.values()]

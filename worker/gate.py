@@ -302,12 +302,15 @@ class MemoryGate:
         if costmodel.never_fits(m, prompt_tokens, max_tokens):
             return Decision(RejectReason.NEVER_FITS, "does not fit even on an idle worker",
                             costmodel.request_cost_bytes(m, prompt_tokens, max_tokens))
-        fits, worst = self._fits(view, prompt_tokens, max_tokens)
+        # A row that starts from a reused prefix can hold up to a KV step more than its
+        # length (costmodel.kv_reach_tokens): charged as that much more output.
+        reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens, reuse)
+        fits, worst = self._fits(view, prompt_tokens, reach)
         last = self.memory.last
         if not fits and last is not None and last.cache_bytes > 0:
             # The buffer cache is reclaimable, not lost: clear it before saying "no room".
             self.memory.probe.clear_cache()
-            fits, worst = self._fits(view, prompt_tokens, max_tokens)
+            fits, worst = self._fits(view, prompt_tokens, reach)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
         cold = False
         while not fits and worst <= m.budget_bytes:
@@ -318,17 +321,23 @@ class MemoryGate:
                 # a request that fits cold must not wait for room its own reuse holds (with
                 # nothing running it would wait for ever). It lets go and runs cold.
                 self.cache.release(reuse)
-                reuse, cold = None, True
+                reuse, cold, reach = None, True, max_tokens
+                fits, worst = self._fits(view, prompt_tokens, reach)
                 continue
             # Cached prompts no request holds go before any request waits for memory (only
             # when giving them back is enough: otherwise the request waits for running rows).
             if not 0 < shortfall <= evictable or self.cache.evict(shortfall, "admission") <= 0:
                 break
-            fits, worst = self._fits(view, prompt_tokens, max_tokens)
+            fits, worst = self._fits(view, prompt_tokens, reach)
         if not fits:
             self._hurry_writer()
             return Decision(RejectReason.NOT_NOW, "no room now", worst, cold=cold)
         return Decision(None, worst_bytes=worst, cold=cold)
+
+    @staticmethod
+    def _reuse_overhang(total_tokens: int, reuse: Any) -> int:
+        cached = reuse.tokens if reuse is not None else 0
+        return costmodel.kv_reach_tokens(total_tokens, cached) - total_tokens
 
     def can_restore(self, nbytes: int, view: EngineView, prompt_tokens: int, max_tokens: int) -> bool:
         """May a disk read of ``nbytes`` be made for this request? Into free memory only

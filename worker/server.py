@@ -506,8 +506,11 @@ class WorkerServer:
         view = self.view()
         if view.prefill_rows == 0 or self.gate.under_pressure:
             return view
-        paced = self.pacer.chunk(view.prefill_rows, self.engine.longest_prefill_left())
-        self.chunk_tokens = self.gate.chunk(view, paced)
+        left = self.engine.longest_prefill_left()
+        chunk = self.gate.chunk(view, self.pacer.chunk(view.prefill_rows, left))
+        # A chunk that ends the prompts may be any length; one that does not keeps the KV
+        # buffer's growths on whole steps, as the cost model charges them.
+        self.chunk_tokens = chunk if chunk >= left else costmodel.kv_aligned_chunk(chunk)
         self.engine.set_prefill_step(self.chunk_tokens)
         return view
 

@@ -243,3 +243,40 @@ def test_a_cached_turns_rest_takes_as_few_steps_as_a_cold_prompt_that_long(cache
     assert cached_steps == steps_to_first_token(engine, "cold") == 1
     while engine.has_work:
         engine.step()
+
+
+def kv_buffer_tokens(engine: Engine) -> int:
+    """The generation batch's KV buffer length (mlx-lm's private layout, pinned here)."""
+    batch = engine.generator._generation_batch
+    caches = batch.prompt_cache if batch is not None else []
+    return max((c.keys.shape[2] for c in caches if getattr(c, "keys", None) is not None), default=0)
+
+
+def test_a_row_from_a_cached_prefix_grows_its_buffer_from_the_prefix(cache_home: Path) -> None:
+    """The cost model's kv_reach_tokens: a reused prefix off the KV step makes the row's
+    buffer exactly that long, and it grows in whole steps from there, past roundup(total)."""
+    from common.costmodel import kv_reach_tokens, roundup
+    from worker.prefix_cache import PrefixCache
+
+    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=512,
+                    prefill_batch_size=8, max_batch_size=8)
+    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
+    engine.kv_bytes_per_token = 1
+    first = list(range(3, 233))
+    engine.add("first", first, max_tokens=5, sampling=GREEDY)
+    while engine.has_work:
+        engine.step()
+        engine.store_pending()
+    second = first + list(range(300, 306))
+    hit = engine.cache.lookup(second)
+    assert hit is not None and hit.tokens % 256 != 0
+    engine.add("second", second, max_tokens=20, sampling=GREEDY, hit=hit)
+    (reach,) = engine.totals()
+    longest = 0
+    while engine.has_work:
+        engine.step()
+        longest = max(longest, kv_buffer_tokens(engine))
+    total = len(second) + 20
+    assert reach == kv_reach_tokens(total, hit.tokens)
+    assert roundup(total) < longest <= reach

@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from common.costmodel import (
+    kv_aligned_chunk, kv_reach_tokens,
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
     copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_new_tokens, max_request_tokens,
     never_fits, forward_transient_bytes, prefill_transient_bytes, request_cost_bytes, roundup,
@@ -381,3 +382,15 @@ def test_max_new_tokens_is_the_largest_that_fits_after_the_prompt() -> None:
     assert max_new_tokens(m, 10**6) == 0
     edge = max_new_tokens(m, 600, MIN_CHUNK_TOKENS)  # never_fits' own edge
     assert edge >= n and not never_fits(m, 600, edge) and never_fits(m, 600, edge + 1)
+
+
+@pytest.mark.parametrize(("total", "cached", "reach"), [
+    (252, 0, 252), (252, 235, 491), (600, 512, 600), (600, 300, 812), (256, 255, 511), (1, 0, 1),
+])
+def test_kv_reach_follows_mlx_lms_growth_from_a_cached_prefix(total: int, cached: int, reach: int) -> None:
+    assert kv_reach_tokens(total, cached) == reach
+
+
+@pytest.mark.parametrize(("tokens", "chunk"), [(300, 256), (2047, 1792), (512, 512), (255, 128), (100, 64), (1, 1)])
+def test_prefill_chunks_keep_growths_on_whole_steps(tokens: int, chunk: int) -> None:
+    assert kv_aligned_chunk(tokens) == chunk

@@ -7,6 +7,7 @@ No MLX, no sockets: a ``FakeProbe`` stands for the device, ``now`` for the clock
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -673,7 +674,9 @@ def test_the_scale_windows_max_is_the_largest_ratio_of_the_last_minute(
 
 # -- nothing waits on memory the worker could give back (issue 30) -------------------------
 
-REUSE = object()  # the hit handed to the request being admitted: the cache's newest promise
+# The hit handed to the request being admitted: the cache's newest promise (a whole number
+# of KV steps, so it charges nothing beyond the request's length).
+REUSE = SimpleNamespace(tokens=2 * costmodel.KV_STEP_TOKENS)
 
 
 def cost_between(gate: MemoryGate, low: int, high: int) -> tuple[int, int]:
@@ -750,3 +753,15 @@ def test_a_disk_read_is_made_only_if_the_request_still_fits_beside_it() -> None:
     assert not cache.evicted, "asking evicts nothing"
     room = gate.restore_room(view(), prompt, max_tokens)
     assert room(150 * MIB) and not room(350 * MIB)
+
+
+def test_a_reuse_off_the_kv_step_is_charged_where_its_buffer_grows() -> None:
+    """mlx-lm sizes a reused prefix's buffer to exactly its length and grows it in whole
+    steps from there: 235 cached tokens of a 252-token request reach 491, not 256."""
+    gate, _ = make_gate()
+    aligned = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(tokens=256))
+    off = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(tokens=235))
+    cold = gate.can_admit(view(), 236, 16)
+    assert aligned.admit and off.admit and cold.admit
+    assert off.worst_bytes == gate.can_admit(view(), 236, 491 - 236).worst_bytes > cold.worst_bytes
+    assert aligned.worst_bytes == cold.worst_bytes
