@@ -97,6 +97,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 # Subcommands that own their argument parsing: bench/<name>.py main(argv).
 DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly",
+                             "agents": "agents",
                              "grammar": "grammar", "structured": "structured", "apis": "apis",
                              "multiturn": "multiturn", "models": "models"}
 

@@ -27,6 +27,9 @@ see bench/README.md ("On the lent GPU") for the exact `run` calls. Parts, in the
           py-spy is installed (raw folded stacks: `<out>/profile-{worker,router}.txt`).
 - serve:  `python -m bench serve --model DIR` (headroom vs mlx_lm.server vs in-process) with
           the limit set; arguments after `--` go to it (e.g. `-- --concurrency 1,8`).
+- agents: `python -m bench agents --model DIR` (coding-agent sessions: cold and cached-turn
+          TTFT on the three systems) with the limit set, at its defaults (issue 25's sizes:
+          sessions 1,8, 5 turns, 2k -> 8k tokens); arguments after `--` go to it too.
 
 Each part writes `<out>/<part>.json`; server logs are appended to `<out>/logs.txt`. Every
 wait is bounded; every router gets --memory-limit-mb. Model files stay out of --out.
@@ -58,7 +61,7 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "shape", "ttft", "faults", "split", "memory", "profile", "serve")
+PARTS = ("info", "build", "shape", "ttft", "faults", "split", "memory", "profile", "serve", "agents")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
@@ -667,10 +670,39 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - started, 2)}
 
 
+def part_agents(args: argparse.Namespace) -> dict[str, Any]:
+    """`python -m bench agents` on the GPU model; its own defaults are the issue's sizes."""
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    keep = Path(tempfile.mkdtemp(prefix="gpu-agents-logs-"))
+    argv = [sys.executable, "-m", "bench", "agents", "--model", str(args.model_dir),
+            "--json", str(args.out / "agents-bench.json"), "--keep-logs", str(keep),
+            f"--headroom-arg=--memory-limit-mb={limit_mb}", *args.serve_args]
+    log.info("agents: %s", " ".join(argv))
+    started = time.monotonic()
+    with open(args.out / "agents.txt", "w") as table, open(args.out / "logs.txt", "a") as logs:
+        logs.write("\n===== agents (bench progress) =====\n")
+        logs.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=table, stderr=logs)
+        try:
+            proc.wait(args.part_timeout_s)
+        except subprocess.TimeoutExpired:  # SIGTERM first: the bench then stops its servers
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print((args.out / "agents.txt").read_text())
+    for path in sorted(keep.glob("*/headroom*.log")):
+        append_log(args.out, f"agents {path.name}", path)
+    return {"returncode": proc.returncode, "limit_mb": limit_mb, "argv": argv,
+            "wall_s": round(time.monotonic() - started, 2)}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "info": part_info, "build": part_build, "shape": part_shape, "ttft": part_ttft, "faults": part_faults,
     "split": part_split, "memory": part_memory,
-    "profile": part_profile, "serve": part_serve}
+    "profile": part_profile, "serve": part_serve, "agents": part_agents}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -680,7 +712,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=Path("/root/gpumodel"))
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     p.add_argument("--tiny", action="store_true", help="build: the tiny shape (a CPU check)")
-    p.add_argument("--budget-mb", type=int, default=16384, help="ttft, serve: limit = weights + this")
+    p.add_argument("--budget-mb", type=int, default=16384, help="ttft, serve, agents: limit = weights + this")
     p.add_argument("--tight-budget-mb", type=int, default=3072, help="memory: limit = weights + this")
     p.add_argument("--tight-over", choices=("weights", "runtime"), default="weights",
                    help="memory: 'runtime' makes --tight-budget-mb the worker's budget: a first router "

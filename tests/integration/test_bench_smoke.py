@@ -134,3 +134,57 @@ def test_bench_serve_reports_every_figure(cache_home: Path, tmp_path: Path) -> N
 
     assert {t["target"] for t in doc["targets"]}, "targets are printed beside the figures"
     assert doc["meta"]["model"]["name"] == "demo"
+
+
+# `python -m bench agents` (bench/agents.py), tiny: two turns, one and two sessions, no
+# tools (each tool is ~500 demo tokens of prefill), 4 output tokens, one repetition.
+AGENT_SESSIONS = ("1", "2")
+AGENT_FIGURES = ("cold_ttft_p50_ms", "cold_ttft_p99_ms", "cached_ttft_p50_ms", "cached_ttft_p99_ms",
+                 "out_tps_p50", "turn_s_p50")
+
+
+def _run_agents(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / "agents.json"
+    argv = [sys.executable, "-m", "bench", "agents", "--model", "demo", "--sessions", ",".join(AGENT_SESSIONS),
+            "--turns", "2", "--tools", "0", "--system-tokens", "100", "--grow-to", "0", "--turn-tokens", "32",
+            "--max-tokens", "4", "--tool-time-s", "0.05", "--repeats", "1", "--startup-timeout", "60",
+            "--workload-timeout", "60", "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
+    env.update(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    with open(tmp_path / "agents.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            proc.wait(RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the bench stops its servers, then exits
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    output = (tmp_path / "agents.log").read_text(errors="replace")
+    assert proc.returncode == 0 and out.is_file(), f"bench exited with {proc.returncode}\n{output[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.integration
+def test_bench_agents_reports_every_figure(cache_home: Path, tmp_path: Path) -> None:
+    doc = _run_agents(cache_home, tmp_path)
+    results, notes = doc["results"], doc["notes"]
+    assert sorted(results) == sorted(SYSTEMS), results.keys()
+    for system in SYSTEMS:
+        for n in AGENT_SESSIONS:
+            s = results[system][f"n{n}"]
+            where = f"{system} N={n}"
+            assert s["turns"] == 2 * int(n) and s["errors"] == 0, (where, s["error_samples"], notes)
+            # Every system got the same token sequences: the servers' own rendering agrees.
+            assert s["prompt_mismatches"] == 0 and s["worker_restarts"] == 0, (where, notes)
+            assert all(_is_good(s["pooled"][fig]) for fig in AGENT_FIGURES), (where, s["pooled"])
+            assert 0 < s["cached_token_ratio"] < 1, (where, s["cached_token_ratio"])
+    for n in AGENT_SESSIONS:
+        for peer in ("mlx_lm_server", "inprocess"):
+            r = doc["ratios"][f"n{n}"][peer]
+            assert all(_is_good(r[fig]["pooled"]) for fig in AGENT_FIGURES), (n, peer, r)
+    assert doc["accounting"]["n2"]["sessions"] == 2 and doc["targets"], doc["targets"]
