@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from common import costmodel
 from common.config import WorkerConfig
@@ -18,14 +17,15 @@ from common.curve import ClientKeys
 from common.protocol import Hello
 from common.version import __version__
 from worker.calibrate import cache_key, calibrate
-from worker.engine import Engine
-from worker.grammar import GrammarCompiler
-from worker.loader import LoadedModel, context_length
 from worker.devices import make_probe
 from worker.disk_cache import from_options
+from worker.distributed import LockstepEngine, lead_probe
+from worker.engine import Engine
+from worker.loader import LoadedModel
 from worker.memory import MemoryState, ModelShape, static_cost_model
 from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
 from worker.server import ServerOptions, WorkerServer
+from worker.shape import make_grammars, model_shape
 from worker.warmup import refill, warm_up
 
 log = logging.getLogger(__name__)
@@ -52,29 +52,6 @@ WARMUP_BUDGET_DEFAULT_S = 60.0
 
 class NotEnoughMemory(RuntimeError):
     """Even a minimal request cannot be served. Will fail again: not worth restarting."""
-
-
-def model_shape(loaded: LoadedModel) -> ModelShape:
-    cfg = loaded.config.get("text_config", loaded.config)
-    params = tree_flatten(loaded.model.parameters())
-    weights = sum(v.nbytes for _, v in params)
-    heads = int(cfg.get("num_attention_heads", 1))
-    hidden = int(cfg.get("hidden_size", 0))
-    head_dim = int(cfg.get("head_dim") or (hidden // max(heads, 1)))
-    dtype_bytes = max((v.dtype.size for _, v in params if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
-                      default=2)
-    return ModelShape(
-        num_layers=int(cfg.get("num_hidden_layers", len(getattr(loaded.model, "layers", [])) or 1)),
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        num_heads=heads,
-        hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
-        vocab_size=int(cfg.get("vocab_size", 0)),
-        dtype_bytes=dtype_bytes,
-        context_length=context_length(loaded.config),
-        weights_bytes=weights,
-    )
 
 
 def resolve_oom_guard(cfg: WorkerConfig, device: str) -> str:
@@ -111,8 +88,6 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     if mlx_limit is not None:
         probe.bound_active(mlx_limit)
     if group is not None:
-        from worker.distributed import lead_probe
-
         lead_probe(group, stretch, mlx_limit)
         cache_dir = None  # the followers probe too: rank 0 must not skip it from a cache
     model, calibration = calibrate(loaded.model, static, cache_dir=cache_dir, key=key, stretch=stretch)
@@ -195,18 +170,9 @@ def settle_baseline(probe: Any, memory: MemoryState, model: costmodel.CostModel,
     return model
 
 
-def make_grammars(loaded: LoadedModel) -> GrammarCompiler:
-    """Every rank of a distributed group needs the same one: a row's grammar mask decides
-    its token, which every rank feeds back."""
-    return GrammarCompiler(str(loaded.path), model_shape(loaded).vocab_size or loaded.tokenizer.vocab_size,
-                           sorted(loaded.tokenizer.eos_token_ids))
-
-
 def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any) -> Engine:
     if group is None:
         return Engine(model, eos_token_ids, **kwargs)
-    from worker.distributed import LockstepEngine
-
     return LockstepEngine(group, model, eos_token_ids, **kwargs)
 
 

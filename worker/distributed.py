@@ -45,6 +45,7 @@ from worker.lockstep import (
     apply, decode_inputs, decode_shape, encode_inputs, encode_shape, with_seed,
 )
 from worker.prefix_cache import Hit
+from worker.shape import make_grammars
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,6 @@ def run_follower(group: Any, loaded: Any) -> int:
     """A follower's whole life: the calibration probe, the engine shaped as rank 0's, then
     every step until rank 0 stops the group. A lost peer ends it with an engine error: the
     supervisor restarts the group."""
-    from worker.boot import make_grammars
     from worker.calibrate import probe
 
     model = loaded.model
