@@ -22,7 +22,7 @@ from worker.disk_cache import from_options
 from worker.distributed import LockstepEngine, lead_probe
 from worker.engine import Engine
 from worker.loader import LoadedModel
-from worker.memory import MemoryState, ModelShape, static_cost_model
+from worker.memory import DeviceProbe, MemoryState, ModelShape, static_cost_model
 from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
 from worker.server import ServerOptions, WorkerServer
 from worker.shape import make_grammars, model_shape
@@ -146,7 +146,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     return server
 
 
-def settle_baseline(probe: Any, memory: MemoryState, model: costmodel.CostModel,
+def settle_baseline(probe: DeviceProbe, memory: MemoryState, model: costmodel.CostModel,
                     weights_bytes: int) -> costmodel.CostModel:
     """Measure again, once the warm start has run, what this process holds beyond the
     weights with nothing running, and take any growth off the budget.

@@ -1,4 +1,4 @@
-"""Memory: the device probe (metal | cpu | fake), the static cost model, the Status report.
+"""Memory: the device probe (MLX's metal | cpu), the static cost model, the Status report.
 
 Used = active + cache (and on macOS no less than the process's phys_footprint, because
 MLX's counters can undercount it). Headroom = max(0, min(limit − used, system available)).
@@ -60,6 +60,8 @@ class DeviceProbe(Protocol):
     limit_bytes: int
 
     def read(self) -> Reading: ...
+    def step_peak(self) -> int:
+        """The allocator's peak since the last ``reset_peak`` (what one step reached)."""
     def clear_cache(self) -> None: ...
     def reset_peak(self) -> None: ...
     def bound_cache(self, nbytes: int) -> None:
@@ -172,50 +174,6 @@ class MlxProbe:
         return int(self._mx.get_memory_limit())
 
 
-@dataclass(slots=True)
-class FakeProbe:
-    """Scripted readings for tests of the memory logic (no MLX)."""
-
-    device: str = "fake"
-    limit_bytes: int = 1 << 30
-    active_bytes: int = 0
-    cache_bytes: int = 0
-    system_available_bytes: int = 1 << 40
-    peak_bytes: int = 0
-    cleared: int = 0
-    invalidated: int = 0
-    pool_limit: int | None = None
-    active_limit: int | None = None
-    footprint_bytes: int = 0
-
-    def read(self) -> Reading:
-        self.peak_bytes = max(self.peak_bytes, self.active_bytes + self.cache_bytes)
-        return Reading(self.active_bytes, self.cache_bytes, self.peak_bytes, self.footprint_bytes,
-                       self.system_available_bytes)
-
-    def step_peak(self) -> int:
-        return self.active_bytes + self.cache_bytes
-
-    def clear_cache(self) -> None:
-        self.cleared += 1
-        self.cache_bytes = 0
-
-    def invalidate(self) -> None:
-        self.invalidated += 1
-
-    def bound_cache(self, nbytes: int) -> None:
-        self.pool_limit = max(0, nbytes)
-
-    def bound_active(self, nbytes: int) -> None:
-        self.active_limit = max(1, nbytes)
-
-    def memory_limit(self) -> int | None:
-        return self.active_limit
-
-    def reset_peak(self) -> None:
-        pass
-
-
 def _phys_footprint_reader() -> Any:
     """macOS: proc_pid_rusage(RUSAGE_INFO_V2).ri_phys_footprint, what Activity Monitor shows."""
     libc_path = ctypes.util.find_library("c")
@@ -293,7 +251,7 @@ def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: in
 class MemoryState:
     """Facts learned at run time: the live reading, what is reserved, the worst ratio."""
 
-    probe: Any
+    probe: DeviceProbe
     model: CostModel
     weights_bytes: int
     baseline_bytes: int

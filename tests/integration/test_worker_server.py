@@ -15,9 +15,10 @@ import pytest
 
 from common import costmodel
 from common.protocol import Generate, Hello, SamplingParams
+from tests.fakes import FakeProbe
 from worker.engine import Engine, Output
 from worker.loader import load_model
-from worker.memory import FakeProbe, MemoryState
+from worker.memory import MemoryState
 from worker.prefix_cache import PrefixCache
 from worker.server import ServerOptions, WorkerServer
 

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 from common import costmodel
 from common.costmodel import CostModel
 from common.protocol import RejectReason
+from tests.fakes import FakeProbe
 from worker.gate import (
     CAUGHT_ERRORS_TO_EXIT, GROWTH_MARGIN, SCALE_WINDOW_S, CacheLedger, EngineView, MemoryGate, ScaleTracker,
     is_memory_error, moved_budget,
 )
-from worker.memory import FakeProbe, MemoryState
+from worker.memory import MemoryState
 
 MIB = 1 << 20
 WEIGHTS = 100 * MIB

@@ -24,8 +24,9 @@ from common.costmodel import (
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, MIN_REQUEST_TOKENS, CostModel, batch_cost_bytes,
     fits_now, max_request_tokens, roundup, safe_prefill_chunk,
 )
+from tests.fakes import FakeProbe
 from worker.memory import (
-    MARGIN_FRACTION, MIN_MARGIN_BYTES, FakeProbe, MemoryState, ModelShape, PressureAction,
+    MARGIN_FRACTION, MIN_MARGIN_BYTES, MemoryState, ModelShape, PressureAction,
     pressure_action, static_cost_model, wait_for_memory,
 )
 

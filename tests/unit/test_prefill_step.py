@@ -87,8 +87,9 @@ def test_warm_up_chunks_stay_within_the_budget() -> None:
 
 
 def test_memory_held_after_the_warm_start_comes_off_the_budget() -> None:
+    from tests.fakes import FakeProbe
     from worker.boot import settle_baseline
-    from worker.memory import FakeProbe, MemoryState
+    from worker.memory import MemoryState
 
     mib = 1 << 20
     probe = FakeProbe(limit_bytes=1024 * mib, active_bytes=100 * mib)
