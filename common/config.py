@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from common.errors import ConfigError
 
-__all__ = ["RouterConfig", "WorkerConfig", "load", "default_config_path", "opt",
-           "permanent_exit", "parse_duration"]
+__all__ = ["RouterConfig", "WorkerConfig", "PromptCacheOptions", "load", "default_config_path",
+           "opt", "permanent_exit", "parse_duration"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Tool-call families router/tools.py parses (kept here: common never imports the router).
@@ -70,25 +70,22 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: Sequence[s
     return field(default=default, metadata=meta)
 
 
-# The prompt cache's flags: the worker's, passed through by a router that spawns it.
-_CACHE_OPTS: dict[str, tuple[Any, str]] = {
-    "prompt_cache_bytes": (None, "Most bytes of prompt KV the worker keeps in RAM for reuse "
-                           "(default: half the memory budget above the weights; cached bytes "
-                           "are always given back before a request waits)."),
-    "prompt_cache_entries": (32, "Most prompts the worker keeps in RAM for reuse."),
-    "prompt_cache_disk_bytes": (None, "Most bytes of prompt KV kept on disk, under the user's "
-                                "cache directory (default: 16 GiB, or a quarter of the free disk if "
-                                "less; 0 turns the disk tier off)."),
-    "prompt_cache_dir": (None, "Where the disk tier keeps its files (default: "
-                         "$XDG_CACHE_HOME/mlx-headroom/prompt-cache, else "
-                         "~/.cache/mlx-headroom/prompt-cache)."),
-    "no_prompt_cache": (False, "Turn prompt reuse off."),
-}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptCacheOptions:
+    """The prompt cache: the worker's options, passed on by a router that spawns it."""
 
-
-def cache_opt(name: str) -> Any:
-    default, help_text = _CACHE_OPTS[name]
-    return opt(default, help_text)
+    prompt_cache_bytes: int | None = opt(
+        None, "Most bytes of prompt KV the worker keeps in RAM for reuse (default: half the "
+        "memory budget above the weights; cached bytes are always given back before a request "
+        "waits).")
+    prompt_cache_entries: int = opt(32, "Most prompts the worker keeps in RAM for reuse.")
+    prompt_cache_disk_bytes: int | None = opt(
+        None, "Most bytes of prompt KV kept on disk, under the user's cache directory (default: "
+        "16 GiB, or a quarter of the free disk if less; 0 turns the disk tier off).")
+    prompt_cache_dir: str | None = opt(
+        None, "Where the disk tier keeps its files (default: "
+        "$XDG_CACHE_HOME/mlx-headroom/prompt-cache, else ~/.cache/mlx-headroom/prompt-cache).")
+    no_prompt_cache: bool = opt(False, "Turn prompt reuse off.")
 
 
 def _check_common(cfg: Any) -> None:
@@ -116,7 +113,7 @@ def _check_common(cfg: Any) -> None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RouterConfig:
+class RouterConfig(PromptCacheOptions):
     """mlx-router: the HTTP front end."""
 
     model: tuple[str, ...] = opt(
@@ -213,11 +210,6 @@ class RouterConfig:
         None, "Spawned worker's OOM guard: abort|raise|off.", choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
-    prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
-    prompt_cache_entries: int = cache_opt("prompt_cache_entries")
-    prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
-    prompt_cache_dir: str | None = cache_opt("prompt_cache_dir")
-    no_prompt_cache: bool = cache_opt("no_prompt_cache")
     service_manager: str = opt(
         "none", "Who restarts this process: under launchd, exits that would fail again exit 0 "
         "(launchd cannot filter exit codes).", choices=SERVICE_MANAGERS)
@@ -280,7 +272,7 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(PromptCacheOptions):
     """mlx-worker: owns the model and the memory."""
 
     model: str = opt("", "Model: a local mlx-lm folder, a Hugging Face repo id, or 'demo'.")
@@ -292,11 +284,6 @@ class WorkerConfig:
         choices=OOM_GUARDS)
     unsafe_no_admission: bool = opt(
         False, "Turn memory admission off (tests and benchmarks only).")
-    prompt_cache_bytes: int | None = cache_opt("prompt_cache_bytes")
-    prompt_cache_entries: int = cache_opt("prompt_cache_entries")
-    prompt_cache_disk_bytes: int | None = cache_opt("prompt_cache_disk_bytes")
-    prompt_cache_dir: str | None = cache_opt("prompt_cache_dir")
-    no_prompt_cache: bool = cache_opt("no_prompt_cache")
     prefill_step_size: int = opt(
         0, "Largest prefill chunk in tokens (0: 2048 on a GPU, as mlx_lm.server; 512 on the CPU "
         "backend). Chunks are also sized by measured speed and by memory.")
@@ -404,19 +391,24 @@ class _Parser(argparse.ArgumentParser):
 def _parser(cls: type, prog: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description=cls.__doc__, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="TOML config file ([router] / [worker] tables).")
-    for f in dataclasses.fields(cls):
+    # The shared options are a base class's fields, so dataclasses lists them first: --help
+    # shows them last, in their own section, after the process's own (--model first).
+    cache = parser.add_argument_group("prompt cache", PromptCacheOptions.__doc__)
+    shared = {f.name for f in dataclasses.fields(PromptCacheOptions)}
+    for f in sorted(dataclasses.fields(cls), key=lambda field_: field_.name in shared):
         kind = _base_type(f, cls)
         flag = "--" + _flag(f)
         help_text = argparse.SUPPRESS if f.metadata.get("hidden") else f.metadata["help"]
+        where = cache if f.name in shared else parser
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            where.add_argument(flag, dest=f.name, action="store_true", help=help_text)
         elif kind is tuple:
-            parser.add_argument(flag, dest=f.name, action="append", help=help_text,
-                                metavar=_flag(f).upper().replace("-", "_"))
+            where.add_argument(flag, dest=f.name, action="append", help=help_text,
+                               metavar=_flag(f).upper().replace("-", "_"))
         else:
-            parser.add_argument(flag, dest=f.name, type=str, help=help_text,
-                                choices=f.metadata.get("choices") or None,
-                                metavar=_flag(f).upper().replace("-", "_"))
+            where.add_argument(flag, dest=f.name, type=str, help=help_text,
+                               choices=f.metadata.get("choices") or None,
+                               metavar=_flag(f).upper().replace("-", "_"))
     return parser
 
 
