@@ -142,7 +142,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         max_pending_bytes=max_pending_bytes))
     server = WorkerServer(opts, engine, memory, hello, cache=cache)
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
-        server.pacer.observe(tokens, seconds)
+        server.core.pacer.observe(tokens, seconds)
     return server
 
 

@@ -1,8 +1,10 @@
-"""The worker's ZeroMQ loop: input → step → publish, plus the heartbeat thread and OOM guard.
+"""The worker's ZeroMQ loop around its core: frames in → ``WorkerCore`` → frames out.
 
-Memory decisions are the gate's (``worker/gate.py``); this module does the IO around them.
+Every decision (admission, steps, error triage, the OOM guard, what to publish) is the
+core's (``worker/core.py``), which has no socket; this module moves frames, handles
+signals, re-sends hello to a router that restarted, and shuts down.
 
-The main thread owns the engine and the main DEALER socket. The heartbeat thread owns
+The main thread owns the core and the main DEALER socket. The heartbeat thread owns
 its own socket (ZeroMQ sockets are not thread-safe) and reports the step counter, so a
 wedged engine loop is visible to the router as a counter that stops while work waits.
 """
@@ -16,39 +18,27 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from common import costmodel
 from common.curve import ClientKeys
 from common.errors import ProtocolError
-from common.log import about
 from common.protocol import (
-    Cancel, ExitCode, FinishReason, Generate, Heartbeat, Hello, Limit, Reject, RejectReason,
-    Message, Shutdown, Status, TokenRow, Tokens, Trim, decode, encode, MAX_FRAME_BYTES,
+    ExitCode, Heartbeat, Hello, Message, Shutdown, decode, encode, MAX_FRAME_BYTES,
 )
-from worker.engine import Engine, Output
-from worker.gate import EngineView, MemoryGate, is_memory_error
+from worker.core import CoreOptions, WorkerCore
+from worker.engine import Engine
 from worker.memory import MemoryState
-from worker.pacer import ChunkPacer
 from worker.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-STATUS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 50
 # While only grammars compile (nothing steps), how often the loop looks at them.
 COMPILE_POLL_MS = 2
-# A step's prefill work is sized to take about this long: short enough that decode keeps
-# flowing beside a long prompt and that no healthy step nears the router's stall timeout.
-STEP_BUDGET_S = 0.5
-# A step this much longer than the budget is logged with its shape (a fresh worker's first
-# long prompt on the H200 took 4x a warm one's time: which step, and what shape, says why).
-SLOW_STEP_S = 1.5 * STEP_BUDGET_S
 # Without a router heartbeat for this long, re-send hello (the router may have restarted).
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
@@ -58,28 +48,6 @@ SHUTDOWN_GRACE_S = 10.0
 EXIT_WRITES_S = 1.0
 # After the router is gone, give the loop this long to exit on its own.
 ORPHAN_EXIT_S = 5.0
-
-
-@dataclass(slots=True)
-class LoopTiming:
-    """Where the loop's time goes while it has work: inside the engine's step (model and
-    sampling), in the prefix cache's copies after it, or around it (sockets, the gate,
-    publishing). At one stream on a fast GPU a decode step can be bound by the host thread
-    that launches it, so time spent around the step adds to every token; ``/v1/memory``
-    shows all three (``loop``)."""
-
-    steps: int = 0
-    engine_s: float = 0.0    # inside Engine.step
-    busy_s: float = 0.0      # whole loop iterations that stepped the engine
-    store_s: float = 0.0     # the prefix cache's copies after steps (device work, not the loop's)
-
-    def overhead_us_per_step(self) -> float:
-        return (self.busy_s - self.engine_s - self.store_s) / self.steps * 1e6 if self.steps else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "engine_s": round(self.engine_s, 4), "busy_s": round(self.busy_s, 4),
-                "store_s": round(self.store_s, 4),
-                "overhead_us_per_step": round(self.overhead_us_per_step(), 1)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,49 +105,33 @@ class HeartbeatThread(threading.Thread):
 
 
 class WorkerServer:
-    """Receive and handle messages, step the engine, publish outputs and status."""
+    """Receive frames for the core, run its steps, send what it publishes."""
 
     def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello,
                  clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None) -> None:
         self.opts = opts
-        self.engine = engine
-        self.memory = memory
         self.hello = hello
-        self.clock = clock
-        self.gate = MemoryGate(memory, fitted=memory.model, admission=opts.admission,
-                               max_running=opts.max_running, now=clock(), cache=cache)
-        self.cache = cache
-        if cache is not None:  # the cache keeps only what the gate has room for
-            cache.room = self.gate.can_hold
-            engine.cache = cache
-            engine.kv_bytes_per_token = memory.model.kv_bytes_per_token
+        self.core = WorkerCore(CoreOptions(incarnation=opts.incarnation, oom_guard=opts.oom_guard,
+                                           admission=opts.admission, max_running=opts.max_running,
+                                           vocab_size=opts.vocab_size), engine, memory, clock, cache)
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, opts.router_addr, f"w{opts.incarnation}".encode(), opts.curve)
         self.heartbeat = HeartbeatThread(self.ctx, self)
-        self.stop_reason: str | None = None
-        self.num_bad_frames = 0
-        self._status_sent_at = 0.0
-        self._changed = False
-        self._held = False           # the last iteration held its status back (a first token)
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
-        self._worst_step_s = 0.0
-        self.timing = LoopTiming()
-        self._previous: EngineView | None = None
         self._grow_scale = False
-        self._broken = False         # a step raised a non-memory error: no more steps
-        self._admitted_at: dict[str, float] = {}   # at DEBUG: admission times, for the TTFT split
-        # Requests whose grammar is compiling: admitted (or refused) once it has.
-        self._compiling: dict[str, tuple[Generate, Future[Any]]] = {}
-        self._received_at = 0.0                     # the last frame's arrival (perf_counter)
-        self.exit_code = ExitCode.OK
-        self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
-        self.chunk_tokens = memory.model.prefill_step_tokens
 
-    def view(self) -> EngineView:
-        e = self.engine
-        return EngineView(running_totals=e.totals(), prefilling=e.num_prefilling(),
-                          prefill_rows=e.prefill_rows(), joining_bytes=e.joining_bytes())
+    @property
+    def engine(self) -> Engine:
+        return self.core.engine
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.core.stop_reason
+
+    @stop_reason.setter
+    def stop_reason(self, why: str | None) -> None:
+        self.core.stop_reason = why
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -196,31 +148,24 @@ class WorkerServer:
         return self.shutdown()
 
     def loop_once(self) -> None:
-        started, steps = time.perf_counter(), self.timing.steps
-        busy = self.engine.has_work
-        self.receive(timeout_ms=0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS)
-        if self._compiling:
-            self.admit_compiled()
+        """Input, step, publish."""
+        core = self.core
+        started = time.perf_counter()
+        busy = core.engine.has_work
+        self.receive(timeout_ms=0 if busy else COMPILE_POLL_MS if core.is_compiling else IDLE_POLL_MS)
         if not busy:
             started = time.perf_counter()  # an idle poll's wait is not the loop's work
-        if self.cache is not None:  # the disk tier writes while the engine is quiet
-            self.cache.engine_busy(self.engine.has_work)
         if self._grow_scale and self.opts.grow_scale_on_signal:
             self._grow_scale = False
-            self.gate.grow_scale(self.opts.grow_scale_on_signal, self.clock())
-            self._changed = True
-        outputs = self.relieve_pressure()
-        outputs += self.step()
-        stepped = self.timing.steps != steps
-        if stepped:  # counted before the status it publishes, and its publishing after
-            self.timing.busy_s += time.perf_counter() - started
-            started = time.perf_counter()
-        self.publish(outputs)
-        if stepped:
-            self.timing.busy_s += time.perf_counter() - started
-            if self.cache is not None:  # the last answer is out: the quiet starts now
-                self.cache.engine_busy(self.engine.has_work)
-        if self.opts.wedge_after_steps is not None and self.timing.steps >= self.opts.wedge_after_steps:
+            core.grow_scale(self.opts.grow_scale_on_signal)
+        out = core.step(started)
+        sent_at = time.perf_counter()
+        self.send_all(out)
+        if core.stepped:
+            core.timing.busy_s += time.perf_counter() - sent_at
+        core.published()
+        self._hello_again()
+        if self.opts.wedge_after_steps is not None and core.timing.steps >= self.opts.wedge_after_steps:
             self._wedge()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -236,23 +181,21 @@ class WorkerServer:
         threading.Timer(ORPHAN_EXIT_S, os._exit, args=(ExitCode.OK,)).start()
 
     def shutdown(self) -> int:
+        core = self.core
         log.info("[shutdown] worker %d: %s", os.getpid(), self.stop_reason)
         at = [time.monotonic()]
-        grace = 0 if self._broken or self.stop_reason == "router gone" else SHUTDOWN_GRACE_S
+        grace = 0 if core.broken or self.stop_reason == "router gone" else SHUTDOWN_GRACE_S
         deadline = at[0] + grace
-        while self.engine.has_work and time.monotonic() < deadline:
+        while core.engine.has_work and time.monotonic() < deadline:
             started = time.perf_counter()
             self.receive(timeout_ms=0)
-            self.publish(self.step())
-            self.timing.busy_s += time.perf_counter() - started
-        failed = [] if self._broken else self.engine.cancel_all()
-        if failed:
-            self.send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
+            self.send_all(core.step(started))
+        self.send_all(core.fail_all())
         self.send(Shutdown(incarnation=self.opts.incarnation, reason=self.stop_reason or ""))
         at.append(time.monotonic())
         self.heartbeat.stopped.set()
-        if self.cache is not None:  # queued writes get a bounded share of the exit's time
-            self.cache.close(EXIT_WRITES_S)
+        if core.cache is not None:  # queued writes get a bounded share of the exit's time
+            core.cache.close(EXIT_WRITES_S)
         at.append(time.monotonic())
         self.heartbeat.join(timeout=1.0)  # its socket must close before the context ends
         self.sock.close(0)
@@ -260,10 +203,10 @@ class WorkerServer:
         at.append(time.monotonic())
         log.info("[shutdown] done in %.3f s (running requests %.3f s, prompt cache %.3f s, sockets %.3f s)",
                  at[-1] - at[0], *(b - a for a, b in zip(at, at[1:])))
-        return self.exit_code
+        return core.exit_code
 
     def _wedge(self) -> None:
-        log.warning("test flag: wedging the engine loop after %d serving steps", self.timing.steps)
+        log.warning("test flag: wedging the engine loop after %d serving steps", self.core.timing.steps)
         while True:  # a deliberately hung loop; only a signal ends it
             time.sleep(1)
 
@@ -279,295 +222,28 @@ class WorkerServer:
                 frame = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._received_at = time.perf_counter()
+            self.core.received_at = time.perf_counter()
             try:
                 msg = decode(frame)
             except ProtocolError as exc:
-                self.num_bad_frames += 1
-                log.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc.message)
+                self.core.num_bad_frames += 1
+                log.warning("dropped a bad frame (%d so far): %s", self.core.num_bad_frames, exc.message)
                 continue
             if msg.incarnation != self.opts.incarnation:
                 continue  # meant for an earlier incarnation of this worker
             self.handle(msg)
 
     def handle(self, msg: Message) -> None:
-        if isinstance(msg, Generate):
-            self.admit(msg)
-        elif isinstance(msg, Cancel):
-            self._admitted_at.pop(msg.request_id, None)  # no first output will come for it
-            self._compiling.pop(msg.request_id, None)
-            if self.engine.cancel(msg.request_id):
-                self.gate.rebase(self.view())  # its promise goes with it
-                self._changed = True
-                log.debug("cancelled", extra=about(msg.request_id))
-        elif isinstance(msg, Shutdown):
+        if isinstance(msg, Shutdown):
             self.stop_reason = "asked by router" + (f": {msg.reason}" if msg.reason else "")
         elif isinstance(msg, Heartbeat):
             self._router_seen_at = time.monotonic()
-        elif isinstance(msg, Trim):
-            self.trim()
-        elif isinstance(msg, Limit):
-            self.set_limit(msg.limit_bytes)
+        else:
+            self.send_all(self.core.handle(msg))
 
-    def trim(self) -> None:
-        """Another model needs room: give back what is evictable (the prompt cache's RAM
-        entries no request holds, MLX's buffer cache) and report the result."""
-        if self.cache is not None:
-            self.cache.evict(self.cache.ledger().resident_bytes, "trim")
-        self.memory.probe.clear_cache()
-        self._changed = True
-        log.info("trimmed on the router's request")
+    # -- output ----------------------------------------------------------------------
 
-    def set_limit(self, limit_bytes: int) -> None:
-        """A new share of the host budget: the budget moves with the limit (never below
-        what is promised now), and the next Status carries the new cost model."""
-        old = self.memory.probe.limit_bytes
-        budget = self.gate.move_limit(limit_bytes)
-        if budget is None:
-            return
-        if self.cache is not None:
-            self.cache.follow_budget(budget)
-        self._changed = True
-        log.info("memory limit %d → %d MiB on the router's request", old >> 20,
-                 self.memory.probe.limit_bytes >> 20)
-
-    def admit_compiled(self) -> None:
-        """Admit (or refuse) the requests whose grammar has finished compiling."""
-        done = [rid for rid, (_, compiled) in self._compiling.items() if compiled.done()]
-        for request_id in done:
-            self.admit(self._compiling.pop(request_id)[0])
-
-    def _grammar_pending(self, msg: Generate) -> Reject | None | bool:
-        """A grammar is checked before any GPU work: a Reject when this worker cannot build
-        it, True while it compiles (the request waits here, not in a step), else None."""
-        grammars = self.engine.grammars
-        if msg.sampling.grammar is None:
-            return None
-        if grammars is None:
-            return self._reject(msg, RejectReason.BAD_GRAMMAR, "this worker cannot enforce grammars")
-        compiled = grammars.compile(msg.sampling.grammar)
-        if not compiled.done():
-            self._compiling[msg.request_id] = (msg, compiled)
-            return True
-        error = grammars.error_of(compiled)
-        if error is None:
-            return None
-        log.info("refused: its grammar cannot be built here: %s", error, extra=about(msg.request_id))
-        return self._reject(msg, RejectReason.BAD_GRAMMAR, f"this grammar cannot be enforced: {error}")
-
-    def admit(self, msg: Generate) -> None:
-        """The worker is authoritative: it takes only what the gate has room for."""
-        at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
-        reject = self._validate(msg)
-        if reject is None:
-            pending = self._grammar_pending(msg)
-            if pending is True:
-                return
-            reject = pending or None
-        # Taken (promised) before admission may evict: the entry this request reuses stays,
-        # unless the request fits only without it (the gate then lets go of it: ``cold``).
-        n, view = len(msg.prompt_ids), self.view()
-        hit = self.cache.lookup(msg.prompt_ids, self.gate.restore_room(view, n, msg.max_tokens)) \
-            if reject is None and self.cache is not None else None
-        at.append(time.perf_counter())
-        if reject is None:
-            decision = self.gate.can_admit(view, n, msg.max_tokens, reuse=hit)
-            hit = None if decision.cold else hit
-            at.append(time.perf_counter())
-            if not decision.admit:
-                assert decision.reason is not None
-                log.debug("%s: %s (%d bytes)", decision.reason, decision.message,
-                          decision.needed_bytes, extra=about(msg.request_id))
-                reject = self._reject(msg, decision.reason, decision.message, decision.needed_bytes)
-        if reject is not None:
-            if hit is not None and self.cache is not None:
-                self.cache.release(hit)
-            self.send(reject)
-            return
-        try:  # its sampler and processors are built here: a failure is this request's own
-            self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                            sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
-        except Exception as exc:
-            if is_memory_error(exc):
-                raise
-            log.warning("could not start: %s: %s", type(exc).__name__, exc, extra=about(msg.request_id))
-            if hit is not None and self.cache is not None:
-                self.cache.release(hit)
-            self.send(self._reject(msg, RejectReason.REQUEST_FAILED,
-                                   f"the request could not start: {type(exc).__name__}: {exc}"))
-            return
-        if self.cache is not None:
-            self.cache.record(hit)
-        debug = log.isEnabledFor(logging.DEBUG)
-        if debug:
-            self._admitted_at[msg.request_id] = time.perf_counter()
-        at.append(time.perf_counter())
-        self.gate.reserve(decision)
-        self._changed = True
-        if debug:
-            at.append(time.perf_counter())
-            ms = [(b - a) * 1e3 for a, b in zip([self._received_at, *at], at)]
-            log.debug("admitted %.2f ms after its frame arrived (decode %.2f, checks and prefix "
-                      "cache %.2f, gate %.2f, insert %.2f, commit %.2f): %d prompt tokens (%d "
-                      "cached), max_tokens %d", sum(ms), *ms, len(msg.prompt_ids),
-                      hit.tokens if hit else 0, msg.max_tokens, extra=about(msg.request_id))
-
-    def _validate(self, msg: Generate) -> Reject | None:
-        """What no worker could run, memory aside (the router checks these first)."""
-        n, vocab = len(msg.prompt_ids), self.opts.vocab_size
-        if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running \
-                or msg.request_id in self._compiling:
-            return self._reject(msg, RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
-        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
-                or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
-            return self._reject(msg, RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
-        return None
-
-    def _reject(self, msg: Generate, reason: RejectReason, text: str, needed: int = 0) -> Reject:
-        return Reject(incarnation=self.opts.incarnation, request_id=msg.request_id, reason=reason,
-                      message=text, needed_bytes=needed,
-                      max_request_tokens=costmodel.max_request_tokens(self.gate.model))
-
-    # -- step ------------------------------------------------------------------------
-
-    def relieve_pressure(self) -> list[Output]:
-        """Memory shrank under running work: stop admitting, shrink the chunk, then evict
-        (with nothing running the gate reports no pressure and nothing happens)."""
-        budget = self.gate.fitted.budget_bytes
-        action = self.gate.pressure(self.view(), self.chunk_tokens, self.clock())
-        if self.gate.fitted.budget_bytes != budget:  # the runtime's own memory was set aside
-            if self.cache is not None:
-                self.cache.follow_budget(self.gate.fitted.budget_bytes)
-            self._changed = True  # the router re-checks its queue against the new model
-        if not action.admit:
-            self.engine.set_prefill_step(action.chunk_tokens)
-            self.chunk_tokens = action.chunk_tokens
-        running = list(self.engine.running)
-        evicted = running[len(running) - action.evict:] if action.evict else []
-        for request_id in evicted:
-            log.warning("evicting: memory taken by another process", extra=about(request_id))
-            self.engine.cancel(request_id)
-        if evicted:
-            self.gate.rebase(self.view())
-            self._changed = True
-        return [Output(rid, [], FinishReason.EVICTED) for rid in evicted]
-
-    def step(self) -> list[Output]:
-        if not self.engine.has_work or self._broken:
-            if self.memory.reserved_bytes and not self.engine.has_work:
-                self.gate.rebase(self.view())  # nothing runs: nothing is promised
-                self._changed = True
-            if not self._broken:
-                try:
-                    self.engine.idle()
-                except Exception as exc:  # a distributed group lost a rank
-                    return self._crash(exc)
-            return []
-        self.memory.probe.reset_peak()
-        view = self._size_chunk()
-        predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
-        self._previous = view
-        started = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-            self._guard()
-        except Exception as exc:
-            return self._failed(exc)
-        elapsed = time.perf_counter() - started
-        self.timing.steps += 1
-        self.timing.engine_s += elapsed
-        if self.gate.observe_step(predicted, self.clock()):
-            self._changed = True
-        self._worst_step_s = max(self._worst_step_s, elapsed)
-        if elapsed > SLOW_STEP_S:
-            log.info("slow step %d: %.3f s, %d rows (%d prefilling %d tokens in a chunk of %d), "
-                     "longest %d tokens", self.engine.num_steps, elapsed, view.rows, view.prefill_rows,
-                     self.engine.last_prefilled_tokens, self.chunk_tokens, view.longest)
-        # The calls made for first tokens are a decode's work, not the chunk's.
-        self.pacer.observe(self.engine.last_prefilled_tokens, elapsed - self.engine.last_chained_s)
-        if any(o.finish_reason is not None for o in outputs):
-            self._changed = True
-            self.gate.rebase(self.view())
-        stored_at = time.perf_counter()
-        failure: Exception | None = None
-        try:
-            self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
-            self._guard()
-        except Exception as exc:
-            failure = exc
-        self.timing.store_s += time.perf_counter() - stored_at  # not the failure's handling below
-        return outputs + self._failed(failure) if failure is not None else outputs
-
-    def _failed(self, exc: BaseException) -> list[Output]:
-        return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
-
-    def _size_chunk(self) -> EngineView:
-        """The next prefill chunk: within the step-time budget and the gate's memory."""
-        view = self.view()
-        if view.prefill_rows == 0 or self.gate.under_pressure:
-            return view
-        left = self.engine.longest_prefill_left()
-        chunk = self.gate.chunk(view, self.pacer.chunk(view.prefill_rows, left))
-        # A chunk that ends the prompts may be any length; one that does not keeps the KV
-        # buffer's growths on whole steps, as the cost model charges them.
-        self.chunk_tokens = chunk if chunk >= left else costmodel.kv_aligned_chunk(chunk)
-        self.engine.set_prefill_step(self.chunk_tokens)
-        return view
-
-    def _guard(self) -> None:
-        """--oom-guard: make a peak above the limit as fatal as Metal makes it."""
-        if self.opts.oom_guard == "off":
-            return
-        peak = self.memory.probe.step_peak()
-        limit = self.memory.probe.limit_bytes
-        if peak <= limit:
-            return
-        reason = f"OOM guard: step peak {peak} bytes above the limit {limit} bytes"
-        if self.opts.oom_guard == "abort":
-            print(f"mlx-worker: {reason}; aborting as Metal would", file=sys.stderr, flush=True)
-            os.abort()
-        # As MLX >= 0.32 does on Metal: a RuntimeError at the next sync point.
-        raise RuntimeError(f"[METAL] Command buffer execution failed: {reason}")
-
-    def _recover(self, exc: BaseException) -> list[Output]:
-        """A caught memory error: fail the running requests, drop their caches, clear the
-        MLX cache, grow the cost model, report it; exit for a restart if it keeps happening
-        (the step's outputs could not be trusted, and neither can state that keeps failing)."""
-        log.error("engine step ran out of memory (%s); failing %d running requests", exc,
-                  len(self.engine.running))
-        failed = self.engine.cancel_all()
-        self._previous = None
-        if self.gate.memory_error(self.clock()):
-            self.stop_reason = "repeated caught memory errors: state no longer trusted"
-            self.exit_code = ExitCode.UNTRUSTED_STATE
-        self._changed = True
-        return [Output(rid, [], FinishReason.ERROR) for rid in failed]
-
-    def _crash(self, exc: BaseException) -> list[Output]:
-        """Anything but a memory error in a step is a bug, not the cost model's fault: exit
-        at once and let the supervisor start a clean worker (the engine is not stepped or
-        touched again)."""
-        log.exception("engine step failed with a non-memory error; exiting for a restart")
-        self._broken = True
-        self.stop_reason = f"engine error: {type(exc).__name__}: {exc}"
-        self.exit_code = ExitCode.ENGINE_ERROR
-        return []  # the router answers (or retries once) what was running when we exit
-
-    # -- publish ---------------------------------------------------------------------
-
-    def publish(self, outputs: list[Output]) -> None:
-        if outputs:
-            self.send_outputs(outputs)
-        # A status right behind a first token would be read by the router before the
-        # token's stream is woken (one drain of the socket handles both): while the engine
-        # has work it goes out with the next iteration, a step later (never twice in a row:
-        # with first tokens in every step it would never go); an idle engine sends it now,
-        # for its next iteration first waits for a message.
-        hold = (not self._held and self.engine.has_work
-                and any(o.cached_tokens is not None for o in outputs))
-        self._held = hold
-        if not hold:
-            self.publish_status()
+    def _hello_again(self) -> None:
         now = time.monotonic()
         if now - self._router_seen_at > HELLO_RETRY_S and now - self._hello_sent_at > HELLO_RETRY_S:
             self.say_hello()  # a router that restarted does not know us yet
@@ -575,50 +251,11 @@ class WorkerServer:
     def say_hello(self) -> None:
         self._hello_sent_at = time.monotonic()
         self.send(self.hello)
-        self.publish_status(force=True)
+        self.send_all(self.core.status(force=True))
 
-    def send_outputs(self, outputs: list[Output]) -> None:
-        failed = [o for o in outputs if o.failure is not None]
-        if failed:  # rows whose own work failed: their request's error, after its tokens so far
-            outputs = [o for o in outputs if o.failure is None]
-            if outputs:
-                self.send_outputs(outputs)
-            for o in failed:
-                self._admitted_at.pop(o.request_id, None)
-                self.send(Reject(incarnation=self.opts.incarnation, request_id=o.request_id,
-                                 reason=RejectReason.REQUEST_FAILED, message=o.failure or ""))
-            return
-        rows = [TokenRow(o.request_id, o.token_ids, o.finish_reason, o.logprobs) for o in outputs]
-        if log.isEnabledFor(logging.DEBUG):
-            for o in outputs:
-                admitted = self._admitted_at.pop(o.request_id, None) if o.cached_tokens is not None else None
-                if admitted is not None:  # its first output: the worker's share of its TTFT
-                    log.debug("first token %.2f ms after admission", (time.perf_counter() - admitted) * 1e3,
-                              extra=about(o.request_id))
-                if o.finish_reason is not None:
-                    self._admitted_at.pop(o.request_id, None)
-                    log.debug("finished: %s", o.finish_reason, extra=about(o.request_id))
-        cached = {o.request_id: o.cached_tokens for o in outputs if o.cached_tokens}
-        self.send(Tokens(incarnation=self.opts.incarnation, step=self.engine.num_steps, outputs=rows,
-                         cached_tokens=cached))
-
-    def publish_status(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not (force or self._changed or now - self._status_sent_at >= STATUS_INTERVAL_S):
-            return
-        self._changed = False
-        self._status_sent_at = now
-        report = replace(
-            self.memory.report(running=len(self.engine.running), max_running=self.opts.max_running),
-            **self.gate.scale_report(self.clock()),
-            bad_frames=self.num_bad_frames,
-            worst_step_s=round(self._worst_step_s, 4),
-            loop=self.timing.to_dict(),
-            safe_prefill_chunk=self.chunk_tokens,
-            # What MLX may hold before its evaluation waits for the device, read back from MLX.
-            mlx_limit_bytes=self.memory.probe.memory_limit(),
-            prompt_cache=self.cache.report() if self.cache is not None else {"enabled": False})
-        self.send(Status(incarnation=self.opts.incarnation, report=report))
+    def send_all(self, messages: list[Message]) -> None:
+        for msg in messages:
+            self.send(msg)
 
     def send(self, msg: Message) -> None:
         try:

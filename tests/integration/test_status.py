@@ -96,8 +96,8 @@ def test_request_id_round_trip_into_both_processes_logs(router: Router) -> None:
     worker = status(router)["workers"][0]
 
     life = [("router.dispatch", "queued"), ("router.dispatch", "dispatched"),
-            ("worker.server", "admitted"), ("router.dispatch", "first token"),
-            ("worker.server", "finished"), ("router.api", "finished")]
+            ("worker.core", "admitted"), ("router.dispatch", "first token"),
+            ("worker.core", "finished"), ("router.api", "finished")]
 
     def whole_life() -> list[dict[str, Any]] | None:
         records = about(router, "trace-0001.a")

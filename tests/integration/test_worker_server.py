@@ -1,26 +1,25 @@
-"""WorkerServer's steps around the gate, on the demo model with scripted memory readings.
+"""The worker's core (``WorkerCore``) around the gate, on the demo model with scripted
+memory readings, and with no socket: what it would publish is what its calls return.
 
 The engine is real (mlx-lm's BatchGenerator on the demo model); only the device readings
 are fake, because the process footprint that the runtime set-aside reacts to (NVML's
-per-process bytes on CUDA) does not exist on Linux's CPU backend. No router: the server's
-socket connects to an address nobody binds, and what it would publish is read from it.
+per-process bytes on CUDA) does not exist on Linux's CPU backend.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
 from common import costmodel
-from common.protocol import Generate, Hello, SamplingParams
+from common.protocol import Generate, Message, SamplingParams
 from tests.fakes import FakeProbe
 from worker.engine import Engine, Output
 from worker.loader import load_model
 from worker.memory import MemoryState
 from worker.prefix_cache import PrefixCache
-from worker.server import ServerOptions, WorkerServer
+from worker.core import CoreOptions, WorkerCore
 
 MIB = 1 << 20
 WEIGHTS = 10 * MIB
@@ -33,7 +32,7 @@ def loaded(cache_home: Path) -> object:
     return load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
 
 
-def make_server(loaded: object, tmp_path: Path) -> tuple[WorkerServer, FakeProbe, PrefixCache]:
+def make_core(loaded: object) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
                     prefill_batch_size=8, max_batch_size=8)
     probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
@@ -45,84 +44,68 @@ def make_server(loaded: object, tmp_path: Path) -> tuple[WorkerServer, FakeProbe
     memory = MemoryState(probe=probe, model=model, weights_bytes=WEIGHTS, baseline_bytes=OUTSIDE,
                          active_baseline_bytes=0)
     cache = PrefixCache(max_bytes=model.budget_bytes // 2, max_entries=8, budget_share=0.5)
-    hello = Hello(incarnation=1, pid=0, package_version="test", model_id="demo", fingerprint="f",
-                  context_length=4096, tokenizer_path="", eos_token_ids=[], admission=True)
-    opts = ServerOptions(router_addr=f"ipc://{tmp_path}/nobody.sock", incarnation=1, oom_guard="off",
-                         admission=True, max_running=8, vocab_size=512)
-    return WorkerServer(opts, engine, memory, hello, cache=cache), probe, cache
+    opts = CoreOptions(incarnation=1, oom_guard="off", admission=True, max_running=8, vocab_size=512)
+    return WorkerCore(opts, engine, memory, cache=cache), probe, cache
 
 
-def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_model(
-        loaded: object, tmp_path: Path) -> None:
-    server, probe, cache = make_server(loaded, tmp_path)
-    try:
-        server.admit(Generate(incarnation=1, request_id="r1", prompt_ids=[3 + i % 500 for i in range(200)],
-                              max_tokens=20, sampling=SamplingParams(temperature=0, ignore_eos=True)))
-        assert server.engine.running and server.memory.reserved_bytes > 0
-        budget = server.gate.model.budget_bytes
-        server._changed = False
-        # While the step runs the process holds far more than MLX counts: counted as used,
-        # that is less than the running request was promised.
-        probe.footprint_bytes = probe.active_bytes + OUTSIDE + 750 * MIB
-        server.memory.refresh()
-        assert server.memory.headroom_bytes() < server.memory.reserved_bytes
-        outputs = server.relieve_pressure()
-        assert outputs == [] and not server.gate.under_pressure          # nothing stopped
-        assert server.memory.runtime_bytes > 0
-        assert server.gate.model.budget_bytes == budget - server.memory.runtime_bytes
-        assert cache.max_bytes == int(server.gate.model.budget_bytes * 0.5)  # the RAM tier follows
-        assert server._changed                                              # the router hears of it
-        report = server.memory.report(running=1, max_running=8)
-        assert report.cost_model["budget_bytes"] == server.gate.model.budget_bytes
-        assert report.runtime_transient_bytes == server.memory.runtime_bytes
-        # The request still runs to its end.
-        done = []
-        for _ in range(400):
-            done += [o for o in server.step() if o.finish_reason is not None]
-            if done:
-                break
-        assert [o.request_id for o in done] == ["r1"]
-    finally:
-        server.sock.close(0)
-        server.ctx.term()
+def types(messages: list[Message]) -> list[str]:
+    return [m.type for m in messages]
 
 
-def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object, tmp_path: Path) -> None:
+def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_model(loaded: object) -> None:
+    core, probe, cache = make_core(loaded)
+    assert core.handle(Generate(incarnation=1, request_id="r1", prompt_ids=[3 + i % 500 for i in range(200)],
+                                max_tokens=20, sampling=SamplingParams(temperature=0, ignore_eos=True))) == []
+    assert core.engine.running and core.memory.reserved_bytes > 0
+    budget = core.gate.model.budget_bytes
+    core._changed = False
+    # While the step runs the process holds far more than MLX counts: counted as used,
+    # that is less than the running request was promised.
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + 750 * MIB
+    core.memory.refresh()
+    assert core.memory.headroom_bytes() < core.memory.reserved_bytes
+    outputs = core.relieve_pressure()
+    assert outputs == [] and not core.gate.under_pressure          # nothing stopped
+    assert core.memory.runtime_bytes > 0
+    assert core.gate.model.budget_bytes == budget - core.memory.runtime_bytes
+    assert cache.max_bytes == int(core.gate.model.budget_bytes * 0.5)  # the RAM tier follows
+    assert core._changed                                              # the router hears of it
+    report = core.memory.report(running=1, max_running=8)
+    assert report.cost_model["budget_bytes"] == core.gate.model.budget_bytes
+    assert report.runtime_transient_bytes == core.memory.runtime_bytes
+    # The request still runs to its end.
+    done: list[str] = []
+    for _ in range(400):
+        done += [row.request_id for m in core.step() if m.type == "tokens"
+                 for row in m.outputs if row.finish_reason is not None]  # type: ignore[attr-defined]
+        if done:
+            break
+    assert done == ["r1"]
+
+
+def test_a_first_tokens_status_waits_one_iteration_and_never_two(loaded: object) -> None:
     """The status that an admission changed goes out after the first token, one iteration
     later (read before the token, it would delay the token's stream in the router), held
     at most once in a row, and not at all when the engine is left idle."""
-    server, _, _ = make_server(loaded, tmp_path)
-    sent: list[str] = []
-    server.send = lambda msg: sent.append(msg.type)  # type: ignore[method-assign]
+    core, _, _ = make_core(loaded)
     greedy = SamplingParams(temperature=0, ignore_eos=True)
-    server._router_seen_at = math.inf          # a router that is heard: no hello resent
-    try:
-        server.publish_status(force=True)
-        sent.clear()
-        server.handle(Generate(incarnation=1, request_id="a", prompt_ids=[5 + i for i in range(12)],
-                               max_tokens=8, sampling=greedy))
-        server.loop_once()                      # its chunk and first token, in one step
-        assert sent == ["tokens"]
-        server.loop_once()                      # decoding: the held status goes now
-        assert sent == ["tokens", "tokens", "status"]
-        # First tokens in every step (arrivals one after another) hold it only once.
-        sent.clear()
-        server._changed = True
-        server.publish([Output("x", [1], None, None, 0)])
-        server.publish([Output("y", [1], None, None, 0)])
-        assert sent == ["tokens", "tokens", "status"]
-        while server.engine.has_work:
-            server.loop_once()
-        # A request answered in one step leaves the engine idle: its status goes at once
-        # (the idle loop's next iteration first waits for a message).
-        sent.clear()
-        server.handle(Generate(incarnation=1, request_id="c", prompt_ids=[7 + i for i in range(12)],
-                               max_tokens=1, sampling=greedy))
-        server.loop_once()
-        assert not server.engine.has_work and sent == ["tokens", "status"]
-    finally:
-        server.sock.close(0)
-        server.ctx.term()
+    core.status(force=True)
+    assert core.handle(Generate(incarnation=1, request_id="a", prompt_ids=[5 + i for i in range(12)],
+                                max_tokens=8, sampling=greedy)) == []
+    assert types(core.step()) == ["tokens"]              # its chunk and first token, in one step
+    assert types(core.step()) == ["tokens", "status"]    # decoding: the held status goes now
+    # First tokens in every step (arrivals one after another) hold it only once.
+    core._changed = True
+    core._publish([Output("x", [1], None, None, 0)])
+    core._publish([Output("y", [1], None, None, 0)])
+    assert types(core._take()) == ["tokens", "tokens", "status"]
+    while core.engine.has_work:
+        core.step()
+    # A request answered in one step leaves the engine idle: its status goes at once
+    # (the idle loop's next iteration first waits for a message).
+    core.handle(Generate(incarnation=1, request_id="c", prompt_ids=[7 + i for i in range(12)],
+                         max_tokens=1, sampling=greedy))
+    assert types(core.step()) == ["tokens", "status"] and not core.engine.has_work
 
 
 class _StopBoot(Exception):
