@@ -9,14 +9,13 @@ of it): keys are applied through pyzmq's socket attributes.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.files import require_private
 
 __all__ = ["KeyPair", "ClientKeys", "ServerKeys", "load_server_keys", "load_client_keys",
            "read_public_key", "read_keypair", "read_authorized_keys", "format_key_file"]
@@ -80,12 +79,7 @@ def read_keypair(path: str | Path, what: str = "secret key file") -> KeyPair:
     keys = _read(path, what)
     if "secret-key" not in keys:
         raise ConfigError(f"{what} {path} holds no secret-key (is it the public .key file?)")
-    st = path.stat()
-    if st.st_mode & 0o077:
-        raise ConfigError(f"{what} {path} is readable by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
-    if st.st_uid != os.getuid():  # another user could have written or still read it
-        raise ConfigError(f"{what} {path} belongs to another user; use a key file of your own")
+    require_private(path, what)
     return KeyPair(public=keys["public-key"], secret=keys["secret-key"])
 
 
@@ -95,12 +89,7 @@ def read_authorized_keys(folder: str | Path) -> frozenset[bytes]:
     if not folder.is_dir():
         raise ConfigError(f"--curve-authorized-keys {folder} is not a folder")
     # Whoever can add a file here can let a worker in: it must be ours, and ours alone to write.
-    st = folder.stat()
-    if st.st_mode & 0o022:
-        raise ConfigError(f"--curve-authorized-keys {folder} is writable by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod go-w {folder}")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"--curve-authorized-keys {folder} belongs to another user")
+    require_private(folder, "--curve-authorized-keys", others_may_read=True)
     keys = frozenset(read_public_key(p, "authorized key") for p in sorted(folder.glob("*.key")))
     if not keys:
         raise ConfigError(f"--curve-authorized-keys {folder} holds no *.key file: no worker could connect")

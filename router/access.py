@@ -23,7 +23,6 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import stat
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from common.config import RouterConfig
 from common.errors import ConfigError, HeadroomError, HostNotAllowed, OriginNotAllowed, Unauthorized
+from common.files import require_private
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +161,7 @@ def read_key_file(path: Path) -> list[str]:
         raise ConfigError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__})") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"--api-key-file {path}: not a regular file")
-    if st.st_mode & 0o077:
-        raise ConfigError(f"--api-key-file {path} is readable by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"--api-key-file {path} belongs to another user")
+    require_private(path, "--api-key-file", st=st)
     keys = [line.strip() for line in text.splitlines()
             if line.strip() and not line.strip().startswith("#")]
     if not keys:
