@@ -286,10 +286,18 @@ class MemoryGate:
     def can_admit(self, view: EngineView, prompt_tokens: int, max_tokens: int,
                   reuse: Any = None) -> Decision:
         """May this request join now? ``reuse``: the prefix-cache hit handed to it (held
-        for it, so not evictable). What the worker holds only to save prefill is given back
-        before the request waits: MLX's buffer cache, then cached prompts no request holds,
-        then its own reuse (it then runs cold: ``Decision.cold``). Only memory the worker
-        cannot give back (running rows, promises, another process) makes it wait."""
+        for it, so not evictable). Only memory the worker cannot give back (running rows,
+        promises, another process) makes it wait.
+
+        Not a pure question: before it answers "not now" it gives back what the worker
+        holds only to save prefill, and so it may change
+        - MLX's buffer cache: cleared (``probe.clear_cache``);
+        - the prefix cache: prompts no request holds evicted (``cache.evict``) when that
+          makes room; when it cannot, the request's own ``reuse`` released
+          (``cache.release``): it runs cold, and ``Decision.cold`` says so (whether it is
+          admitted or not) so that the caller never releases it again;
+        - the disk writer: told to write now (``cache.hurry``) when the answer is "not now".
+        It reads the device (``memory.refresh``) but promises nothing: ``reserve`` commits."""
         m = self.model
         if prompt_tokens + max_tokens > m.context_length:
             return Decision(RejectReason.NEVER_FITS, "prompt + max_tokens exceed the context")
