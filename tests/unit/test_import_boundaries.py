@@ -95,3 +95,41 @@ def test_common_source_imports(path: Path) -> None:
     assert not bad, f"common/{path.name} imports {sorted(bad)}"
     if path.name != "protocol.py":
         assert "msgpack" not in names, f"common/{path.name} imports msgpack"
+
+
+def sibling_imports(path: Path, package: str) -> set[str]:
+    """The modules of ``package`` a source file imports, anywhere in the file (deferred and
+    ``TYPE_CHECKING`` imports included: a loop closed behind one is still a loop)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == package:
+                names.update(parts[1:2] or [alias.name for alias in node.names])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[1] for a in node.names if a.name.startswith(f"{package}."))
+    return names - {path.stem}
+
+
+def import_circles(package: str) -> list[list[str]]:
+    """Each set of ``package``'s modules that reach one another through their imports."""
+    graph = {p.stem: sibling_imports(p, package) for p in (ROOT / package).glob("*.py")}
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), set()) - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    circles = {frozenset({m} | {o for o in reached[m] if m in reached[o]})
+               for m in graph if m in reached[m]}
+    return sorted(sorted(c) for c in circles)
+
+
+@pytest.mark.parametrize("package", ["worker", "common"])
+def test_no_import_circles(package: str) -> None:
+    assert import_circles(package) == [], f"{package}/ modules that import each other"
