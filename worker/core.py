@@ -66,6 +66,16 @@ class LoopTiming:
 
 
 @dataclass(frozen=True, slots=True)
+class Schedule:
+    """What the next engine step runs (``WorkerCore.schedule``)."""
+
+    evict: tuple[str, ...] = ()     # running requests stopped first: their memory was taken
+    chunk_tokens: int = 0           # the prefill chunk the step may use
+    prefill_rows: int = 0           # rows that chunk covers (mlx-lm's choice, mirrored)
+    why: str = ""                   # what sized the chunk: pressure, paced, memory, ...
+
+
+@dataclass(frozen=True, slots=True)
 class CoreOptions:
     incarnation: int
     oom_guard: str              # abort | raise | off (resolved)
@@ -275,7 +285,7 @@ class WorkerCore:
             self.admit_compiled()
         if self.cache is not None:  # the disk tier writes while the engine is quiet
             self.cache.engine_busy(self.engine.has_work)
-        outputs = self.relieve_pressure()
+        outputs = self._apply(self.schedule())
         outputs += self._step_engine()
         self.stepped = self.timing.steps != steps
         if self.stepped:  # counted before the status it publishes, and its publishing after
@@ -303,27 +313,59 @@ class WorkerCore:
             self._send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
         return self._take()
 
-    def relieve_pressure(self) -> list[Output]:
-        """Memory shrank under running work: stop admitting, shrink the chunk, then evict
-        (with nothing running the gate reports no pressure and nothing happens)."""
+    def schedule(self) -> Schedule:
+        """What the next engine step runs, decided top to bottom in this one place.
+
+        1. Memory taken by another process (the gate's ``pressure``, which also sets the
+           runtime's own excess aside from the budget): admission stops and the chunk
+           shrinks; only when that is not enough are the newest running requests stopped.
+        2. Otherwise the prefill chunk: as many tokens as the step-time budget allows (the
+           pacer, from measured prefill speed), no more than memory holds beside the running
+           rows (the gate), and a whole number of KV steps unless it ends the prompts.
+        3. Which rows the chunk covers is mlx-lm's rule (the prompt batch's rows, then the
+           oldest waiting prompts while the prefill and decode batches have room; mirrored
+           in ``Engine._next_prefill``); every decoding row decodes one token.
+        """
+        view = self.view()
         budget = self.gate.fitted.budget_bytes
-        action = self.gate.pressure(self.view(), self.chunk_tokens, self.clock())
+        action = self.gate.pressure(view, self.chunk_tokens, self.clock())
         if self.gate.fitted.budget_bytes != budget:  # the runtime's own memory was set aside
             if self.cache is not None:
                 self.cache.follow_budget(self.gate.fitted.budget_bytes)
             self._changed = True  # the router re-checks its queue against the new model
         if not action.admit:
-            self.engine.set_prefill_step(action.chunk_tokens)
-            self.chunk_tokens = action.chunk_tokens
-        running = list(self.engine.running)
-        evicted = running[len(running) - action.evict:] if action.evict else []
-        for request_id in evicted:
+            running = list(self.engine.running)
+            evict = tuple(running[len(running) - action.evict:]) if action.evict else ()
+            return Schedule(evict=evict, chunk_tokens=action.chunk_tokens, why="pressure")
+        if view.prefill_rows == 0 or self.gate.under_pressure:
+            return Schedule(chunk_tokens=self.chunk_tokens, why="no prefill")
+        left = self.engine.longest_prefill_left()
+        paced = self.pacer.chunk(view.prefill_rows, left)
+        chunk = self.gate.chunk(view, paced)
+        if chunk >= left:  # it ends the prompts: any length
+            return Schedule(chunk_tokens=chunk, prefill_rows=view.prefill_rows, why="rest of the prompts")
+        # One that does not keeps the KV buffer's growths on whole steps, as the cost model
+        # charges them.
+        return Schedule(chunk_tokens=costmodel.kv_aligned_chunk(chunk), prefill_rows=view.prefill_rows,
+                        why="paced" if chunk == paced else "memory")
+
+    def _apply(self, plan: Schedule) -> list[Output]:
+        """Carry out the schedule's stops and chunk before the engine steps."""
+        if plan.chunk_tokens != self.chunk_tokens or plan.why == "pressure" or plan.prefill_rows:
+            self.chunk_tokens = plan.chunk_tokens
+            self.engine.set_prefill_step(plan.chunk_tokens)
+        for request_id in plan.evict:
             log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)
-        if evicted:
+        if plan.evict:
             self.gate.rebase(self.view())
             self._changed = True
-        return [Output(rid, [], FinishReason.EVICTED) for rid in evicted]
+        return [Output(rid, [], FinishReason.EVICTED) for rid in plan.evict]
+
+    def relieve_pressure(self) -> list[Output]:
+        """The schedule's pressure relief alone (stop admitting, shrink the chunk, then
+        evict), for a caller that does not step the engine."""
+        return self._apply(self.schedule())
 
     def _step_engine(self) -> list[Output]:
         if not self.engine.has_work or self.broken:
@@ -337,7 +379,7 @@ class WorkerCore:
                     return self._crash(exc)
             return []
         self.memory.probe.reset_peak()
-        view = self._size_chunk()
+        view = self.view()
         predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
         self._previous = view
         started = time.perf_counter()
@@ -373,19 +415,6 @@ class WorkerCore:
 
     def _failed(self, exc: BaseException) -> list[Output]:
         return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
-
-    def _size_chunk(self) -> EngineView:
-        """The next prefill chunk: within the step-time budget and the gate's memory."""
-        view = self.view()
-        if view.prefill_rows == 0 or self.gate.under_pressure:
-            return view
-        left = self.engine.longest_prefill_left()
-        chunk = self.gate.chunk(view, self.pacer.chunk(view.prefill_rows, left))
-        # A chunk that ends the prompts may be any length; one that does not keeps the KV
-        # buffer's growths on whole steps, as the cost model charges them.
-        self.chunk_tokens = chunk if chunk >= left else costmodel.kv_aligned_chunk(chunk)
-        self.engine.set_prefill_step(self.chunk_tokens)
-        return view
 
     def _guard(self) -> None:
         """--oom-guard: make a peak above the limit as fatal as Metal makes it."""
