@@ -94,25 +94,11 @@ class InProcessAgents:
 
     def _insert(self, s: Session, index: int, turn: int, num_sessions: int, repetition: int,
                 max_tokens: int) -> tuple[int, TurnRecord]:
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
-        from bench.inprocess_chat import MODEL_KEY
-
         prompt = list(s.prompt_ids[turn])
-        cache, rest = self.chat.cache.fetch_nearest_cache(MODEL_KEY, prompt)
-        if cache is not None and not rest:  # the generator needs one token to start from
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                rest = prompt[-1:]
-            else:
-                cache, rest = None, prompt
-        cached = len(prompt) - len(rest)
+        uid, cached = self.chat.insert(prompt, max_tokens)
         record = TurnRecord("inprocess", num_sessions, repetition, index, turn, len(prompt),
                             s.new_tokens(turn), prompt_tokens=len(prompt), cached_tokens=cached)
-        (uid,) = self.chat.generator.insert([rest], max_tokens=[max_tokens],
-                                            caches=[cache] if cache is not None else None,
-                                            all_tokens=[prompt[:cached]])
-        return int(uid), record
+        return uid, record
 
     def _step(self, live: dict[int, _Live]) -> list[_Live]:
         from bench.inprocess_chat import MODEL_KEY

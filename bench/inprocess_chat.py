@@ -73,13 +73,22 @@ class InProcessChat:
         return done
 
     def _send(self, chat: _Chat, max_tokens: int, concurrency: int) -> int:
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
         turn = len(chat.replies)
         prompt = self.tokenizer.apply_chat_template(
             chat.conversation.messages(turn, chat.replies),
             tools=TOOLS[:chat.conversation.num_tools] or None, add_generation_prompt=True)
         chat.sent = time.perf_counter()
+        uid, cached = self.insert(prompt, max_tokens)
+        chat.result = TurnResult("inprocess", concurrency, chat.index, turn,
+                                 prompt_tokens=len(prompt), cached_tokens=cached)
+        chat.generated = []
+        return uid
+
+    def insert(self, prompt: list[int], max_tokens: int) -> tuple[int, int]:
+        """Insert ``prompt`` from its nearest cached prefix (as mlx_lm.server does): the
+        generator's row id and how many prompt tokens came from the cache."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
         cache, rest = self.cache.fetch_nearest_cache(MODEL_KEY, prompt)
         if cache is not None and not rest:  # the generator needs one token to start from
             if can_trim_prompt_cache(cache):
@@ -88,13 +97,10 @@ class InProcessChat:
             else:
                 cache, rest = None, prompt
         cached = len(prompt) - len(rest)
-        chat.result = TurnResult("inprocess", concurrency, chat.index, turn,
-                                 prompt_tokens=len(prompt), cached_tokens=cached)
-        chat.generated = []
         (uid,) = self.generator.insert([rest], max_tokens=[max_tokens],
                                        caches=[cache] if cache is not None else None,
                                        all_tokens=[prompt[:cached]])
-        return int(uid)
+        return int(uid), cached
 
     def _step(self, live: dict[int, _Chat]) -> list[TurnResult]:
         _, responses = self.generator.next()

@@ -184,17 +184,23 @@ def test_no_back_to_back_calls_while_a_chunk_is_left_or_a_row_decodes(
         engine.step()
 
 
+def cached_engine(cache_home: Path, *, prefill_step_size: int) -> Engine:
+    """A demo engine with a prefix cache that takes everything (no gate behind it)."""
+    from worker.prefix_cache import PrefixCache
+
+    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
+    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=prefill_step_size,
+                    prefill_batch_size=8, max_batch_size=8)
+    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
+    engine.kv_bytes_per_token = 1
+    return engine
+
+
 def test_a_message_boundary_is_stored_before_the_row_moves_on(cache_home: Path) -> None:
     """A row that reaches a boundary stops there for its KV to be stored: no call is
     chained past it, so the entry covers exactly the tokens up to the boundary (here the
     last token's: nothing but the first token's calls are left after it)."""
-    from worker.prefix_cache import PrefixCache
-
-    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
-                    prefill_batch_size=8, max_batch_size=8)
-    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
-    engine.kv_bytes_per_token = 1
+    engine = cached_engine(cache_home, prefill_step_size=64)
     prompt = list(range(3, 43))
     engine.add("turn", prompt, max_tokens=2, sampling=GREEDY, boundaries=[39])
     assert engine.step() == []          # the chunk up to the boundary, and no further
@@ -219,13 +225,7 @@ def test_a_cached_turns_rest_takes_as_few_steps_as_a_cold_prompt_that_long(cache
     with the chat's message boundaries inside it, is prefilled in as many steps as a cold
     prompt of its length (a trimmable cache is served at those boundaries by trimming the
     finished row's entry, so nothing stops the chunk there)."""
-    from worker.prefix_cache import PrefixCache
-
-    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
-                    prefill_batch_size=8, max_batch_size=8)
-    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
-    engine.kv_bytes_per_token = 1
+    engine = cached_engine(cache_home, prefill_step_size=64)
     assert engine.can_trim
     turn1 = list(range(3, 83))
     engine.add("turn1", turn1, max_tokens=4, sampling=GREEDY, boundaries=[40, 70])
@@ -256,13 +256,7 @@ def test_a_row_from_a_cached_prefix_grows_its_buffer_from_the_prefix(cache_home:
     """The cost model's kv_reach_tokens: a reused prefix off the KV step makes the row's
     buffer exactly that long, and it grows in whole steps from there, past roundup(total)."""
     from common.costmodel import kv_reach_tokens, roundup
-    from worker.prefix_cache import PrefixCache
-
-    loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=512,
-                    prefill_batch_size=8, max_batch_size=8)
-    engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
-    engine.kv_bytes_per_token = 1
+    engine = cached_engine(cache_home, prefill_step_size=512)
     first = list(range(3, 233))
     engine.add("first", first, max_tokens=5, sampling=GREEDY)
     while engine.has_work:
