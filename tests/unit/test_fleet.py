@@ -166,28 +166,21 @@ async def test_a_share_too_small_is_a_larger_need_not_a_failure(world: Any) -> N
     assert fleet.footprint(fleet.models["a"]).need_bytes > (w.lease_bytes or 0)
 
 
-async def test_a_permanent_failure_of_every_worker_is_reported_once(world: Any) -> None:
-    """The hook a foreground router exits by: a model whose only worker cannot load."""
+@pytest.mark.parametrize(("exit_record", "reported"), [
+    # The hook a foreground router exits by: a model whose only worker cannot load.
+    (ExitRecord(ExitCode.LOAD_ERROR, None, "the model failed to load", 0.0),
+     [("a: the model failed to load", ExitCode.LOAD_ERROR)]),
+    # Deaths by signal may not repeat (another process took the memory): never an exit.
+    (ExitRecord(None, "SIGABRT", "aborted (SIGABRT)", 0.0), []),
+])
+async def test_only_a_permanent_failure_of_every_worker_is_reported(
+        world: Any, exit_record: ExitRecord, reported: list[tuple[str, int]]) -> None:
     fleet, dispatcher, sent, clock = world
     calls: list[tuple[str, int]] = []
     fleet.on_permanent_failure = lambda why, code: calls.append((why, code))
     dispatcher.submit(job("a", "r1"))
     fleet.reconcile()
     (w,) = fleet.workers.values()
-    w.sup.last_exit = ExitRecord(ExitCode.LOAD_ERROR, None, "the model failed to load", 0.0)
-    w.sup._set(WorkerState.FAILED, "worker keeps failing: the model failed to load")
-    assert calls == [("a: the model failed to load", ExitCode.LOAD_ERROR)]
-    assert "a" in dispatcher.unavailable
-
-
-async def test_a_crash_loop_is_not_a_permanent_failure(world: Any) -> None:
-    """Deaths by signal may not repeat (another process took the memory): never an exit."""
-    fleet, dispatcher, sent, clock = world
-    calls: list[tuple[str, int]] = []
-    fleet.on_permanent_failure = lambda why, code: calls.append((why, code))
-    dispatcher.submit(job("a", "r1"))
-    fleet.reconcile()
-    (w,) = fleet.workers.values()
-    w.sup.last_exit = ExitRecord(None, "SIGABRT", "aborted (SIGABRT)", 0.0)
-    w.sup._set(WorkerState.FAILED, "worker keeps failing: aborted (SIGABRT)")
-    assert calls == [] and "a" in dispatcher.unavailable
+    w.sup.last_exit = exit_record
+    w.sup._set(WorkerState.FAILED, f"worker keeps failing: {exit_record.reason}")
+    assert calls == reported and "a" in dispatcher.unavailable
