@@ -99,7 +99,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 DELEGATED: dict[str, str] = {"faults": "faults", "memory": "memory", "router": "routeronly",
                              "agents": "agents",
                              "grammar": "grammar", "structured": "structured", "apis": "apis",
-                             "multiturn": "multiturn", "models": "models"}
+                             "multiturn": "multiturn", "models": "models", "before-queue": "beforequeue"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ it; every call after that goes straight to the Rust `tokenizers` object, because
 `encode` runs for each request (through a batch call, the one that releases the GIL when
 router/api.py sends a long prompt to its thread pool) and detokenization runs on the
 event loop for every token of every stream. Nothing here imports `mlx` or `mlx_lm`.
+A rendered chat goes through `router/tokencache.py`: what an earlier turn of the same
+conversation encoded is reused, id for id, and only the new part is encoded.
 
 Chat templates come from the model folder and are untrusted code. They are compiled once,
 in a jinja2 `ImmutableSandboxedEnvironment` with the globals Hugging Face templates expect,
@@ -34,6 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
 from common.errors import BadRequest, ConfigError
+from router.tokencache import PrefixTokenCache
 
 __all__ = [
     "RouterTokenizer",
@@ -51,6 +54,9 @@ logging.getLogger("transformers").addFilter(
     lambda record: not record.getMessage().startswith(_NO_FRAMEWORK_ADVICE))
 
 FALLBACK_GENERATION_PROMPT = "assistant:"
+# The prefix cache: a few agents' conversations (about 4 MB of ids, and their texts)
+PREFIX_CACHE_ENTRIES = 64
+PREFIX_CACHE_TOKENS = 1 << 20
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -123,6 +129,8 @@ class RouterTokenizer:
         chat_template: str | None,
         template_vars: dict[str, Any],
         eos_token_ids: list[int],
+        prefix_cache_entries: int = PREFIX_CACHE_ENTRIES,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
     ) -> None:
         # transformers sets truncation and padding per call; a tokenizer.json may carry its
         # own, which would silently cut long prompts here
@@ -132,6 +140,10 @@ class RouterTokenizer:
         # Tokenizer.encode holds the GIL for the whole call, which would stall the event loop
         # from the thread pool; the batch methods release it (and _fast skips offsets)
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        # A rendered chat's ids reuse those of an earlier turn it extends (see tokencache)
+        self._prefix_cache = PrefixTokenCache.for_backend(
+            backend, self._encode_plain, max_entries=prefix_cache_entries, max_tokens=prefix_cache_tokens,
+        ) if chat_template is not None else None
         self.eos_token_ids = eos_token_ids
         self._template_vars = template_vars
         self._template: jinja2.Template | None = None
@@ -156,11 +168,14 @@ class RouterTokenizer:
         transformers.AutoTokenizer  # noqa: B018 - resolves the lazy module
 
     @classmethod
-    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> RouterTokenizer:
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False,
+             prefix_cache_entries: int = PREFIX_CACHE_ENTRIES,
+             prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> RouterTokenizer:
         """Load the tokenizer of a local Hugging Face model folder, offline.
 
         A folder's own Python (a custom tokenizer class in ``auto_map``) runs only with
-        ``trust_remote_code``; otherwise transformers refuses such a folder.
+        ``trust_remote_code``; otherwise transformers refuses such a folder. The prefix
+        cache (0 entries or tokens: none) bounds what earlier chats' ids keep.
         """
         folder = Path(path)
         if not folder.is_dir():  # else transformers takes the path for a hub repo id
@@ -181,7 +196,8 @@ class RouterTokenizer:
             template = template.get("default")
         template_vars = {k: v for k, v in hf.special_tokens_map.items() if isinstance(v, (str, list))}
         eos_ids = _read_eos_ids(folder, backend, hf.eos_token)
-        tok = cls(backend, chat_template=template, template_vars=template_vars, eos_token_ids=eos_ids)
+        tok = cls(backend, chat_template=template, template_vars=template_vars, eos_token_ids=eos_ids,
+                  prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens)
         log.info(
             "tokenizer loaded from %s: %d tokens, eos %s, chat template %s, detokenizer %s",
             folder, backend.get_vocab_size(), eos_ids,
@@ -210,11 +226,20 @@ class RouterTokenizer:
         return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
 
     def encode_rendered(self, text: str) -> list[int]:
-        """Token ids of a chat already rendered by ``render_chat``."""
-        if self.has_chat_template:
-            # The template writes BOS itself when the model wants one
-            return self._encode_batch([text], add_special_tokens=False)[0].ids
-        return self.encode(text)
+        """Token ids of a chat already rendered by ``render_chat``: the same ids as a full
+        encoding, the part an earlier chat shares with it reused from the prefix cache."""
+        return self._encode_rendered(text, remember=True)
+
+    def _encode_rendered(self, text: str, *, remember: bool) -> list[int]:
+        if not self.has_chat_template:
+            return self.encode(text)
+        if self._prefix_cache is None:
+            return self._encode_plain(text)
+        return self._prefix_cache.encode(text, remember=remember)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        # The template writes BOS itself when the model wants one
+        return self._encode_batch([text], add_special_tokens=False)[0].ids
 
     @property
     def can_take_tools(self) -> bool:
@@ -276,7 +301,7 @@ class RouterTokenizer:
                 continue  # a template may refuse a partial chat: no boundary there
             if not prefix or not text.startswith(prefix):
                 continue
-            prefix_ids = self.encode_rendered(prefix)
+            prefix_ids = self._encode_rendered(prefix, remember=False)  # the whole chat's entry serves it
             if 0 < len(prefix_ids) < len(ids) and ids[:len(prefix_ids)] == prefix_ids:
                 found.add(len(prefix_ids))
         return sorted(found)
