@@ -182,19 +182,26 @@ class WorkerCore:
         for request_id in done:
             self.admit(self._compiling.pop(request_id)[0])
 
-    def _grammar_pending(self, msg: Generate) -> Reject | None | bool:
-        """A grammar is checked before any GPU work: a Reject when this worker cannot build
-        it, True while it compiles (the request waits here, not in a step), else None."""
+    def _grammar_ready(self, msg: Generate) -> bool:
+        """False while the request's grammar compiles: it waits here (``admit_compiled``
+        takes it up again), never inside a step."""
+        grammars = self.engine.grammars
+        if msg.sampling.grammar is None or grammars is None:
+            return True
+        compiled = grammars.compile(msg.sampling.grammar)
+        if compiled.done():
+            return True
+        self._compiling[msg.request_id] = (msg, compiled)
+        return False
+
+    def _grammar_refusal(self, msg: Generate) -> Reject | None:
+        """A grammar is checked before any GPU work: refused when this worker cannot build it."""
         grammars = self.engine.grammars
         if msg.sampling.grammar is None:
             return None
         if grammars is None:
             return self._reject(msg, RejectReason.BAD_GRAMMAR, "this worker cannot enforce grammars")
-        compiled = grammars.compile(msg.sampling.grammar)
-        if not compiled.done():
-            self._compiling[msg.request_id] = (msg, compiled)
-            return True
-        error = grammars.error_of(compiled)
+        error = grammars.error_of(grammars.compile(msg.sampling.grammar))
         if error is None:
             return None
         log.info("refused: its grammar cannot be built here: %s", error, extra=about(msg.request_id))
@@ -204,11 +211,9 @@ class WorkerCore:
         """The worker is authoritative: it takes only what the gate has room for."""
         at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
         reject = self._validate(msg)
-        if reject is None:
-            pending = self._grammar_pending(msg)
-            if pending is True:
-                return
-            reject = pending or None
+        if reject is None and not self._grammar_ready(msg):
+            return
+        reject = reject or self._grammar_refusal(msg)
         # Taken (promised) before admission may evict: the entry this request reuses stays,
         # unless the request fits only without it (the gate then lets go of it: ``cold``).
         n, view = len(msg.prompt_ids), self.view()
