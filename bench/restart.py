@@ -1,0 +1,107 @@
+"""Restart and stop timing on the demo model: ``python -m bench.restart [--root DIR]``.
+
+A router on the demo model (from the checkout ``--root``, default this one), then, after
+1 s idle each, an operator restart (``POST /admin/workers/restart``) and a SIGKILL of the
+worker, twice: seconds until the old process is gone and until the new worker serves a
+completion; then a stop, and whether the router's log shows a kill or a heartbeat warning.
+Two checkouts run back to back on one machine give the before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_S = 120.0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait(what: str, predicate: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def measure(root: Path, run_dir: Path) -> dict[str, Any]:
+    port = free_port()
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(run_dir), HF_HUB_OFFLINE="1", PYTHONPATH=str(root))
+    log_path = run_dir / "router.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "router", "--model", "demo", "--port", str(port),
+                                 "--api-key", "k", "--prompt-cache-dir", str(run_dir / "pc")],
+                                cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k"}, timeout=60)
+
+    def health() -> dict[str, Any]:
+        try:
+            return dict(http.get("/health").json())
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    try:
+        _wait("healthy router", lambda: health().get("status") == "ok", READY_S)
+        http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        rows = []
+        for how in ("restart", "sigkill", "restart", "sigkill"):
+            time.sleep(1.0)
+            old = health()["workers"][0]["pid"]
+            started = time.monotonic()
+            if how == "restart":
+                http.post("/admin/workers/restart")
+            else:
+                os.kill(old, signal.SIGKILL)
+            gone_s: list[float] = []
+
+            def serving() -> bool:
+                if not gone_s and _gone(old):
+                    gone_s.append(time.monotonic() - started)
+                h = health()
+                return h.get("status") == "ok" and h["workers"][0]["pid"] != old
+
+            _wait("restarted worker", serving, READY_S)
+            status = http.post("/v1/completions", json={"model": "m", "prompt": "after", "max_tokens": 4}).status_code
+            rows.append({"how": how, "old_gone_s": round(gone_s[0], 3) if gone_s else None,
+                         "serving_s": round(time.monotonic() - started, 2), "status": status})
+    finally:
+        http.close()
+        proc.terminate()
+        proc.wait(30)
+    text = log_path.read_text(errors="replace")
+    return {"root": str(root), "restarts": rows, "kills_in_log": text.count("killing worker"),
+            "heartbeat_warnings": text.count("Host unreachable")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose router runs")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
+        print(json.dumps(measure(args.root.resolve(), Path(tmp)), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
