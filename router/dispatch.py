@@ -32,9 +32,8 @@ from router.backlog import Backlog
 from router.channel import Channel
 from router.curve import CurveServer
 from router.job import Job, JobState, TokenEvent
-from router.link import WorkerLink
+from router.link import Liveness, WorkerLink
 from router.quarantine import Quarantine
-from router.supervisor import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,10 @@ from common.errors import InsufficientMemory
 from common.protocol import ExitCode, Hello, Limit, Trim
 from router import placement
 from router.dispatch import Dispatcher
+from router.link import STALL_TIMEOUT_S
 from router.models import ModelSpec, resolve
 from router.placement import Action, Footprint, Resident
-from router.supervisor import STALL_TIMEOUT_S, SpawnSpec, Supervisor, WorkerState
+from router.supervisor import SpawnSpec, Supervisor, WorkerState
 
 log = logging.getLogger(__name__)
 

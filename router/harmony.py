@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from router.tools import Delta, StreamParser, ToolCall, held_back, new_call_id
+from router.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id
 
 __all__ = ["HarmonyParser"]
 

@@ -20,7 +20,7 @@ from router.job import TokenEvent
 from router.schema import Parsed
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
-from router.tools import Delta, StreamParser, ToolCall
+from router.streamparser import Delta, StreamParser, ToolCall
 
 # A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
 LogprobRow = list[Any]

@@ -26,12 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from common.protocol import ExitCode, Heartbeat, Hello, MemoryReport, Shutdown
-
-if TYPE_CHECKING:
-    from router.dispatch import Dispatcher
+from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
+from router.link import STALL_TIMEOUT_S, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -41,58 +39,12 @@ HEALTHY_RESET_S = 60.0          # a worker up this long resets the backoff
 CRASH_LOOP_DEATHS = 5           # deaths after ready within CRASH_LOOP_WINDOW_S → failed
 CRASH_LOOP_WINDOW_S = 60.0
 STARTUP_DEATHS = 3              # consecutive deaths before ever getting ready → failed
-HEARTBEAT_TIMEOUT_S = 3.0       # silent this long → dead (spawned) or down (external)
-STALL_TIMEOUT_S = 10.0          # step counter frozen this long while work waits → wedged (--stall-timeout)
-STALL_STEP_FACTOR = 5.0         # ... or this many times the worker's slowest step
 MONITOR_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our worker
 # A worker asked to restart (or that said it is stopping) finishes its running requests
 # first (its own grace, 10 s) and then exits: past this it is killed.
 LEAVE_TIMEOUT_S = 15.0
 STDERR_TAIL_LINES = 30
-
-
-def stall_timeout_s(report: MemoryReport | None, floor_s: float = STALL_TIMEOUT_S) -> float:
-    """A frozen step counter means wedged only well past the slowest step seen so far."""
-    if report is not None and report.worst_step_s > 0:
-        return max(floor_s, STALL_STEP_FACTOR * report.worst_step_s)
-    return floor_s
-
-
-@dataclass(slots=True)
-class Liveness:
-    """What the frames say about a worker's life; ``verdict`` judges it (the supervisor's call).
-
-    The dispatcher records what it hears; the stall clock runs only while work waits: it
-    restarts when the step counter moves and when an idle worker becomes busy (an idle
-    worker's counter stands still, rightly)."""
-
-    heard_at: float
-    step: int = 0
-    step_changed_at: float = 0.0
-    has_work: bool = False
-
-    def heard(self, now: float) -> None:
-        self.heard_at = now
-
-    def beat(self, step: int, has_work: bool, now: float) -> None:
-        if step != self.step or (has_work and not self.has_work):
-            self.step, self.step_changed_at = step, now
-        self.has_work = has_work
-
-    def work_started(self, now: float) -> None:
-        self.step_changed_at = now
-
-    def verdict(self, now: float, report: MemoryReport | None,
-                stall_floor_s: float = STALL_TIMEOUT_S) -> str | None:
-        """Why the worker is to be treated as dead, or None while it is alive."""
-        silent_s = now - self.heard_at
-        stalled_s = now - self.step_changed_at if self.has_work else 0.0
-        if silent_s > HEARTBEAT_TIMEOUT_S:
-            return f"silent for {silent_s:.1f}s"
-        if stalled_s > stall_timeout_s(report, stall_floor_s):
-            return f"engine loop wedged for {stalled_s:.1f}s"
-        return None
 
 
 class WorkerState(StrEnum):
@@ -139,10 +91,23 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
     return returncode, None, reasons.get(returncode, f"exited with code {returncode}")
 
 
+class Workers(Protocol):
+    """What a supervisor calls on the dispatcher: the links it watches, and the news it
+    brings (a worker lost, a control message, a model no worker will serve)."""
+
+    links: dict[int, WorkerLink]
+
+    def worker_lost(self, incarnation: int, why: str) -> bool: ...
+
+    def send_to(self, incarnation: int, msg: Message) -> bool: ...
+
+    def set_unavailable(self, model: str, reason: str | None) -> None: ...
+
+
 class Supervisor:
     """One worker's life as the router sees it (one per worker: spawned, or external)."""
 
-    def __init__(self, dispatcher: Dispatcher, spawn: SpawnSpec | None, metrics: Any,
+    def __init__(self, dispatcher: Workers, spawn: SpawnSpec | None, metrics: Any,
                  clock: Callable[[], float] = time.monotonic, *, model: str = "",
                  incarnation: int | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.dispatcher = dispatcher

@@ -19,60 +19,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from router.constraints import guided_schema
+from router.harmony import HarmonyParser
+from router.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id, scan
 from router.toolspec import Tool, ToolChoice
 
-__all__ = ["FORMATS", "MARKERS", "ToolCall", "Delta", "StreamParser", "OutputParser", "detect_format",
-           "call_grammar", "make_parser", "new_call_id"]
-
-
-@dataclass(slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str          # JSON text, as OpenAI sends it
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one chunk of text added: content, reasoning and whole tool calls."""
-
-    content: str = ""
-    reasoning: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.calls)
-
-    def add(self, other: Delta) -> None:
-        self.content += other.content
-        self.reasoning += other.reasoning
-        self.calls.extend(other.calls)
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def held_back(buf: str, marker: str) -> int:
-    """Length of the longest end of ``buf`` that could be the start of ``marker``."""
-    for n in range(min(len(buf), len(marker) - 1), 0, -1):
-        if marker.startswith(buf[-n:]):
-            return n
-    return 0
-
-
-def scan(buf: str, marker: str) -> tuple[str, str, bool]:
-    """(safe text before the marker, the rest, whether the marker was found)."""
-    i = buf.find(marker)
-    if i >= 0:
-        return buf[:i], buf[i + len(marker):], True
-    n = held_back(buf, marker)
-    return buf[:len(buf) - n], buf[len(buf) - n:], False
+__all__ = ["FORMATS", "MARKERS", "OutputParser", "detect_format", "call_grammar", "make_parser"]
 
 
 def _call_from_object(obj: Any) -> ToolCall | None:
@@ -190,27 +145,6 @@ def detect_format(template: str | None) -> str | None:
     return None
 
 
-class StreamParser:
-    """A state machine over a text buffer: ``feed`` steps it until it needs more text."""
-
-    buf: str
-
-    def feed(self, text: str) -> Delta:
-        self.buf += text
-        out = Delta()
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self) -> Delta:
-        """The end of the output: whatever is held back, as what it is."""
-        raise NotImplementedError
-
-    def _step(self, out: Delta) -> bool:
-        """One move; False when it needs more text."""
-        raise NotImplementedError
-
-
 class OutputParser(StreamParser):
     """One choice's text stream → content, reasoning and tool calls (see the module doc)."""
 
@@ -319,8 +253,6 @@ def make_parser(fmt_name: str | None, think: tuple[str, str] | None = None,
                 in_reasoning: bool = False) -> StreamParser:
     """The parser for one choice of a model whose template speaks ``fmt_name``."""
     if fmt_name == "harmony":
-        from router.harmony import HarmonyParser
-
         return HarmonyParser()
     return OutputParser(FORMATS[fmt_name] if fmt_name else None, think, in_reasoning)
 

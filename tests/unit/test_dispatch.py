@@ -12,7 +12,7 @@ from common.protocol import Heartbeat, Hello, MemoryReport, TokenRow, Tokens
 from router.dispatch import Dispatcher
 from router.job import Job, JobState, Sampling, TokenEvent
 from router.status import Metrics
-from router.supervisor import Liveness, stall_timeout_s
+from router.link import Liveness, stall_timeout_s
 
 MODEL = CostModel(kv_bytes_per_token=1024, num_layers=2, prefill_a_bytes=10.0, prefill_c_bytes=1.0,
                   budget_bytes=1 << 30, context_length=4096, prefill_step_tokens=256)

@@ -130,6 +130,6 @@ def import_circles(package: str) -> list[list[str]]:
     return sorted(sorted(c) for c in circles)
 
 
-@pytest.mark.parametrize("package", ["worker", "common"])
+@pytest.mark.parametrize("package", ["worker", "common", "router"])
 def test_no_import_circles(package: str) -> None:
     assert import_circles(package) == [], f"{package}/ modules that import each other"
