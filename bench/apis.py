@@ -191,13 +191,14 @@ def router_cpu(folder: Path, max_tokens: int) -> dict[str, Any]:
     (translation included) and presenting max_tokens tokens, one event each, as the stream
     loop does. Prompt tokenizing and everything after the HTTP handler are the same for all
     three, so they are left out."""
-    from router.anthropic_api import MESSAGES
-    from router.api import CHAT
-    from router.job import Rows, TokenEvent
-    from router.output import Collector
-    from router.plan import plan_output
-    from router.responses_api import RESPONSES
-    from router.tokenizer import RouterTokenizer
+    from router.chat.plan import plan_output
+    from router.chat.tokenizer import RouterTokenizer
+    from router.http.anthropic_api import MESSAGES
+    from router.http.api import CHAT
+    from router.http.output import Collector
+    from router.http.responses_api import RESPONSES
+    from router.http.rows import Rows
+    from router.job import TokenEvent
 
     tok = RouterTokenizer.load(folder)
     text = make_prompts(tok.encode, "cpu", 1, PROMPT_TOKENS["short"])[0].text

@@ -17,7 +17,7 @@ between, ``max_tokens`` 1.
   router's own INFO line, matched by request id. Turn 0 of a session is cold; the figure
   is turns 1 and later.
 - tokenizer: the same requests' tokenizing step alone, in this process (render the chat
-  template, encode, the message boundaries: what router/api.py runs before the queue),
+  template, encode, the message boundaries: what router/http/api.py runs before the queue),
   with the router tokenizer's prefix cache and with a full tokenization each time; each
   turn checks that both give the same token ids and boundaries.
 
@@ -137,8 +137,8 @@ def run_http(r: Any, log_path: Path, sessions: list[Session], ns: Any) -> dict[s
 
 
 def run_tokenizer(folder: Path, sessions: list[Session], ns: Any) -> dict[str, Any]:
-    """The tokenizing step alone, as router/api.py runs it, with the prefix cache and without."""
-    from router.tokenizer import RouterTokenizer
+    """The tokenizing step alone, as router/http/api.py runs it, with the prefix cache and without."""
+    from router.chat.tokenizer import RouterTokenizer
 
     cached = RouterTokenizer.load(folder)
     full = RouterTokenizer.load(folder, prefix_cache_entries=0)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = cli.parse(p, argv)
     from bench.faults import RouterUnderTest
     from bench.routeronly import _wait
-    from router.tokenizer import RouterTokenizer
+    from router.chat.tokenizer import RouterTokenizer
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     with tempfile.TemporaryDirectory(prefix="hr-bq-") as tmp:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench import cli
-from router.constraints import JSON_OPTIONS
+from router.chat.constraints import JSON_OPTIONS
 
 log = logging.getLogger("bench.grammar")
 

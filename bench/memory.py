@@ -80,7 +80,7 @@ async def run_mix(r: RouterUnderTest, bodies: list[dict[str, Any]], concurrency:
 def decision_timing(samples: int = 20000) -> dict[str, float]:
     """The router's per-request admission work, on the pure functions it calls."""
     from common.costmodel import CostModel
-    from router import admission
+    from router.fleet import admission
 
     m = CostModel(kv_bytes_per_token=65536, num_layers=4, prefill_a_bytes=90000.0,
                   prefill_c_bytes=170.0, budget_bytes=150 << 20, context_length=4096,

@@ -26,7 +26,7 @@ __all__ = ["RouterConfig", "WorkerConfig", "PromptCacheOptions", "load", "defaul
            "opt", "permanent_exit", "parse_duration"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Tool-call families router/tools.py parses (kept here: common never imports the router).
+# Tool-call families router/chat/tools.py parses (kept here: common never imports the router).
 TOOL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony")
 OOM_GUARDS = ("abort", "raise", "off")
 SERVICE_MANAGERS = ("none", "launchd", "systemd")

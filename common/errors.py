@@ -22,7 +22,7 @@
     ├── ProtocolError                     a bad frame; counted and dropped, never reaches HTTP
     └── ConfigError                       a bad flag, env var or config file entry
 
-Only ``router/api.py``'s middleware turns these into HTTP responses.
+Only the middleware of ``router/http/http_errors.py`` turns these into HTTP responses.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from common.protocol import ExitCode
-from router import ipc
-from router.models import build_catalog
+from router.fleet.models import build_catalog
+from router.ops import ipc
 
 log = logging.getLogger("router")
 
@@ -26,18 +26,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     env = env_snapshot()
     if args and args[0] == "service":
-        from router.service import run_command
+        from router.ops.service import run_command
 
         return run_command(args, env)
     if args and args[0] == "status":
-        from router import console
+        from router.ops import console
 
         return console.main(args[1:])
     if args and args[0] == "keys":
-        from router.keys import run_command as run_keys
+        from router.ops.keys import run_command as run_keys
 
         return run_keys(args[1:], env)
-    from router.access import BadHttpLogFilter, load_api_keys  # imports aiohttp
+    from router.ops.access import BadHttpLogFilter, load_api_keys  # imports aiohttp
 
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")

@@ -16,23 +16,24 @@ import psutil
 from common.config import RouterConfig, parse_duration
 from common.curve import ServerKeys
 from common.errors import ConfigError, HeadroomError
-from router import access, anthropic_output
-from router.access import AccessPolicy
-from router.anthropic_api import Messages
-from router.api import Api
-from router.http_errors import make_error_middleware
-from router.curve import CurveServer
-from router.dispatch import Dispatcher
-from router.limits import Limits
-from router.openapi import build_spec
-from router.reqid import KEY as REQUEST_ID
-from router.reqid import RequestIds, add_header
-from router.responses_api import Responses
-from router.status import Metrics, StatusViews
-from router.fleet import Fleet
-from router.models import ModelSpec, build_catalog
-from router.placement import lease_mb
-from router.supervisor import SpawnSpec
+from router.fleet.dispatch import Dispatcher
+from router.fleet.fleet import Fleet
+from router.fleet.models import ModelSpec, build_catalog
+from router.fleet.placement import lease_mb
+from router.fleet.supervisor import SpawnSpec
+from router.http import anthropic_output
+from router.http.anthropic_api import Messages
+from router.http.api import Api
+from router.http.http_errors import make_error_middleware
+from router.http.limits import Limits
+from router.http.openapi import build_spec
+from router.http.reqid import KEY as REQUEST_ID
+from router.http.reqid import RequestIds, add_header
+from router.http.responses_api import Responses
+from router.ops import access
+from router.ops.access import AccessPolicy
+from router.ops.curve_server import CurveServer
+from router.ops.status import Metrics, StatusViews
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

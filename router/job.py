@@ -13,7 +13,7 @@ from common.protocol import SamplingParams
 
 
 # max_tokens of a request that named none, until its prompt is tokenized: then the room
-# left in the context (router/admission.py's room_left). No client can send it (0 is a 400).
+# left in the context (router/fleet/admission.py's room_left). No client can send it (0 is a 400).
 ROOM_LEFT = 0
 
 
@@ -55,19 +55,6 @@ class ChoiceEvents:
 
     def put_nowait(self, event: Event) -> None:
         self.shared.put_nowait((self.index, event))
-
-
-@dataclass(slots=True, eq=False)
-class Rows:
-    """One request's jobs, a row each, and the queue their tagged events arrive on."""
-
-    request_id: str
-    prompt_tokens: int
-    plan: Any = None                      # router.plan.OutputPlan: how to read the output back
-    model_id: str = ""                    # the model that serves it, as the response names it
-    tokenizer: Any = None                 # router.tokenizer.RouterTokenizer of that model
-    jobs: list[Job] = field(default_factory=list)
-    events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
 
 
 @dataclass(slots=True, eq=False)

@@ -25,7 +25,7 @@ from common.errors import ProtocolError
 from common.protocol import (
     MESSAGE_TYPES, Generate, Hello, SamplingParams, Status, Tokens, decode, encode,
 )
-from router.openapi import ENDPOINTS
+from router.http.openapi import ENDPOINTS
 from tests.conftest import wait_until
 from tests.integration.conftest import Proc, Router, isolated_env, start_router
 from tests.integration.test_stream_cancel import metric

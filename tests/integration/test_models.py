@@ -63,7 +63,7 @@ def worker_pids(router: Router) -> dict[str, int]:
 
 def loads(router: Router, model: str) -> int:
     """Workers the router started for ``model``, by its log (the whole file)."""
-    return router.log_path.read_text(errors="replace").count(f"router.fleet: loading {model} ")
+    return router.log_path.read_text(errors="replace").count(f"router.fleet.fleet: loading {model} ")
 
 
 def states(router: Router) -> dict[str, str]:

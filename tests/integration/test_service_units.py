@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from router.service import ServiceSpec, launchd_plist, systemd_unit
+from router.ops.service import ServiceSpec, launchd_plist, systemd_unit
 from tests.conftest import free_port, wait_until
 from tests.integration.conftest import Proc, isolated_env
 

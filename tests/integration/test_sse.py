@@ -1,6 +1,6 @@
 """A stream refused before its first token gets the HTTP status and JSON body a request
 that does not stream gets, in its own API's error shape, however long it waited queued
-(router/sse.py holds the headers until the first token or the refusal)."""
+(router/http/sse.py holds the headers until the first token or the refusal)."""
 
 from __future__ import annotations
 

@@ -95,9 +95,9 @@ def test_request_id_round_trip_into_both_processes_logs(router: Router) -> None:
     assert completion._request_id == "trace-0001.a"  # what the openai client reads
     worker = status(router)["workers"][0]
 
-    life = [("router.dispatch", "queued"), ("router.dispatch", "dispatched"),
-            ("worker.core", "admitted"), ("router.dispatch", "first token"),
-            ("worker.core", "finished"), ("router.api", "finished")]
+    life = [("router.fleet.dispatch", "queued"), ("router.fleet.dispatch", "dispatched"),
+            ("worker.core", "admitted"), ("router.fleet.dispatch", "first token"),
+            ("worker.core", "finished"), ("router.http.api", "finished")]
 
     def whole_life() -> list[dict[str, Any]] | None:
         records = about(router, "trace-0001.a")
@@ -110,10 +110,10 @@ def test_request_id_round_trip_into_both_processes_logs(router: Router) -> None:
     worker_lines = [r for r in records if r["logger"].startswith("worker.")]
     assert all(str(r["incarnation"]) == worker["incarnation"] and r["model"] == "demo"
                for r in worker_lines)
-    finished = next(r for r in records if r["logger"] == "router.api")
+    finished = next(r for r in records if r["logger"] == "router.http.api")
     assert finished["level"] == "info" and str(finished["incarnation"]) == worker["incarnation"]
     assert finished["model"] == "demo"
-    assert not [r for r in records if r["level"] == "info" and r["logger"] != "router.api"]
+    assert not [r for r in records if r["level"] == "info" and r["logger"] != "router.http.api"]
 
 
 def test_an_insane_request_id_is_replaced_and_a_missing_one_generated(router: Router) -> None:

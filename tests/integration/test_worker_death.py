@@ -14,7 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from router.link import HEARTBEAT_TIMEOUT_S
+from router.fleet.link import HEARTBEAT_TIMEOUT_S
 from tests.conftest import process_gone, wait_until
 from tests.integration.conftest import NO_EOS, Router, start_router
 

@@ -1,4 +1,4 @@
-"""router/access.py: the key comparison, the Host check and CORS, as pure decisions."""
+"""router/ops/access.py: the key comparison, the Host check and CORS, as pure decisions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from common.config import RouterConfig
 from common.errors import ConfigError
-from router.access import AccessPolicy, exposure_warnings, host_name, load_api_keys, read_key_file
+from router.ops.access import AccessPolicy, exposure_warnings, host_name, load_api_keys, read_key_file
 
 
 def loopback(**kw: object) -> AccessPolicy:

@@ -1,4 +1,4 @@
-"""Tests for router/admission.py: "fits ever?" (the 400s) and "fits now?" (dispatch or queue)."""
+"""Tests for router/fleet/admission.py: "fits ever?" (the 400s) and "fits now?" (dispatch or queue)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from common import costmodel
 from common.costmodel import CostModel
 from common.errors import BadRequest, ContextLengthExceeded, InsufficientMemory
-from router.admission import (
+from router.fleet.admission import (
     STALE_REPORT_S, UNKNOWN_CONTEXT_TOKENS, Verdict, WorkerView, can_dispatch, check_ever,
     check_max_tokens_only, room_left,
 )

@@ -1,4 +1,4 @@
-"""Tests for router/anthropic_api.py: the Messages body as the chat body that means the same.
+"""Tests for router/http/anthropic_api.py: the Messages body as the chat body that means the same.
 Pure: plain dicts in and out, no processes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from common.errors import BadRequest
-from router.anthropic_api import parse_messages, to_chat
+from router.http.anthropic_api import parse_messages, to_chat
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 USER = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""Tests for router/anthropic_output.py: chat-shaped output as Anthropic's message and its
+"""Tests for router/http/anthropic_output.py: chat-shaped output as Anthropic's message and its
 event sequence, and the error tree in Anthropic's shape. Pure: no processes."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from common.errors import (
     BadRequest, HeadroomError, InsufficientMemory, ModelNotFound, NoWorker, QueueFull,
     QueueTimeout, Unauthorized, WorkerLost,
 )
-from router.anthropic_output import MessagesPresenter, error_body
+from router.http.anthropic_output import MessagesPresenter, error_body
+from router.http.output import Collector
 from router.job import TokenEvent
-from router.output import Collector
 
 
 # -- errors ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""router/api.py's error middleware: the server's own failures reach clients without paths,
+"""router/http/api.py's error middleware: the server's own failures reach clients without paths,
 messages or tracebacks; the log keeps them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.errors import BadRequest, ConfigError, ProtocolError
-from router.http_errors import error_middleware
+from router.http.http_errors import error_middleware
 
 SECRET = "/Users/someone/models/private-model"
 
@@ -38,7 +38,7 @@ async def test_internal_errors_tell_the_client_nothing(
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/x", handler)
     async with TestClient(TestServer(app)) as client:
-        with caplog.at_level(logging.ERROR, logger="router.http_errors"):
+        with caplog.at_level(logging.ERROR, logger="router.http.http_errors"):
             resp = await client.get("/x")
             text = await resp.text()
     assert resp.status == 500
@@ -60,8 +60,8 @@ async def test_client_errors_keep_their_message() -> None:
 
 
 async def test_each_api_prefix_gets_its_own_error_shape() -> None:
-    from router.anthropic_output import error_body
-    from router.http_errors import make_error_middleware
+    from router.http.anthropic_output import error_body
+    from router.http.http_errors import make_error_middleware
 
     app = web.Application(middlewares=[make_error_middleware({"/v1/messages": error_body})])
     app.router.add_post("/v1/messages", bad_request)

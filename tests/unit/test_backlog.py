@@ -1,11 +1,11 @@
-"""Tests for router/backlog.py: the bounded FIFO of waiting jobs (explicit ``now``)."""
+"""Tests for router/fleet/backlog.py: the bounded FIFO of waiting jobs (explicit ``now``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from common.errors import QueueFull
-from router.backlog import Backlog
+from router.fleet.backlog import Backlog
 from router.job import Job, JobState, Sampling
 
 

@@ -21,7 +21,7 @@ def test_a_session_resends_its_chat_and_adds_a_call_and_a_result_each_turn() -> 
 
 
 def test_the_routers_info_line_is_read_by_request_id() -> None:
-    record = logging.LogRecord("router.api", logging.INFO, "", 0,
+    record = logging.LogRecord("router.http.api", logging.INFO, "", 0,
                                "finished: %s, prompt %d tokens, completion %d tokens, queued %.3fs, ttft %s, "
                                "total %.3fs (HTTP before the queue %s, first token to first byte %s)",
                                ("length", 3000, 1, 0.0, "0.5s", 0.6, "2.04ms", "-"), None)

@@ -1,4 +1,4 @@
-"""router/console.py: `mlx-router status` renders /status on one screen (pure parts)."""
+"""router/ops/console.py: `mlx-router status` renders /status on one screen (pure parts)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from router import console
-from router.console import human_bytes, memory_bar, render, sparkline
+from router.ops import console
+from router.ops.console import human_bytes, memory_bar, render, sparkline
 
 GiB = 1 << 30
 

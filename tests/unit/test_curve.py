@@ -1,4 +1,4 @@
-"""common/curve.py and router/keys.py: key files written private, read back, checked."""
+"""common/curve.py and router/ops/keys.py: key files written private, read back, checked."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from common.curve import (
     read_public_key,
 )
 from common.errors import ConfigError
-from router.keys import generate, run_command
+from router.ops.keys import generate, run_command
 
 
 def test_generate_writes_private_files_readable_by_zmq(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ import pytest
 
 from common.costmodel import CostModel
 from common.protocol import Heartbeat, Hello, MemoryReport, TokenRow, Tokens
-from router.dispatch import Dispatcher
+from router.fleet.dispatch import Dispatcher
+from router.fleet.link import Liveness, stall_timeout_s
 from router.job import Job, JobState, Sampling, TokenEvent
-from router.status import Metrics
-from router.link import Liveness, stall_timeout_s
+from router.ops.status import Metrics
 
 MODEL = CostModel(kv_bytes_per_token=1024, num_layers=2, prefill_a_bytes=10.0, prefill_c_bytes=1.0,
                   budget_bytes=1 << 30, context_length=4096, prefill_step_tokens=256)
@@ -201,7 +201,7 @@ def test_a_room_left_default_shrinks_with_the_room_rather_than_fail(
     from common import costmodel
     from common.errors import InsufficientMemory
     from common.protocol import Status
-    from router.admission import room_left
+    from router.fleet.admission import room_left
 
     d, _ = dispatcher
     d._handle(b"w7", Status(incarnation=7, report=MemoryReport(max_running_requests=0)))  # hold everything

@@ -1,4 +1,4 @@
-"""router/fleet.py carrying out placement: loads, trims, evictions, leases, idle unload.
+"""router/fleet/fleet.py carrying out placement: loads, trims, evictions, leases, idle unload.
 
 No process is spawned: ``Supervisor.start`` and ``stop`` are replaced, hellos and exits are
 played by hand, and the dispatcher's socket sends are recorded.
@@ -14,12 +14,12 @@ import pytest
 
 from common.costmodel import CostModel
 from common.protocol import ExitCode, Hello, Limit, MemoryReport, Status, Trim
-from router.dispatch import Dispatcher
-from router.fleet import Fleet, ModelState
+from router.fleet.dispatch import Dispatcher
+from router.fleet.fleet import Fleet, ModelState
+from router.fleet.models import ModelSpec
+from router.fleet.supervisor import ExitRecord, SpawnSpec, Supervisor, WorkerState
 from router.job import Job, Sampling
-from router.models import ModelSpec
-from router.status import Metrics
-from router.supervisor import ExitRecord, SpawnSpec, Supervisor, WorkerState
+from router.ops.status import Metrics
 
 MIB = 1 << 20
 # 10 MiB of weights, 64 KiB of KV a token, 4096 tokens: need ~91 MiB, want ~330 MiB.

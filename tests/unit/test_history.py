@@ -1,9 +1,9 @@
-"""router/history.py: the recent past for the status page, with times given by the caller."""
+"""router/ops/history.py: the recent past for the status page, with times given by the caller."""
 
 from __future__ import annotations
 
 from common.errors import BadRequest, InsufficientMemory, QueueFull
-from router.history import SAMPLE_INTERVAL_S, History, Sample
+from router.ops.history import SAMPLE_INTERVAL_S, History, Sample
 
 
 def test_tokens_per_s_is_the_rate_since_the_previous_sample() -> None:

@@ -34,9 +34,19 @@ def loaded_after(imports: list[str]) -> set[str]:
     return set(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def module_files(package: str) -> dict[str, Path]:
+    """Each module of ``package``, subpackages included, by dotted name (a package by its
+    ``__init__``)."""
+    files = {}
+    for path in (ROOT / package.replace(".", "/")).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
 def modules_of(package: str) -> list[str]:
-    return sorted(f"{package}.{p.stem}" for p in (ROOT / package).glob("*.py")
-                  if p.stem not in ("__init__", "__main__"))
+    return sorted(m for m, path in module_files(package).items()
+                  if path.stem not in ("__init__", "__main__"))
 
 
 def imported_names(path: Path) -> set[str]:
@@ -54,7 +64,7 @@ def imported_names(path: Path) -> set[str]:
 
 
 def test_router_app_never_loads_mlx() -> None:
-    loaded = loaded_after(["router.app", "router.api", "router.dispatch"])
+    loaded = loaded_after(["router.app", "router.http.api", "router.fleet.dispatch"])
     assert not loaded & set(HEAVY), f"router imports {sorted(loaded & set(HEAVY))}"
     assert "worker" not in loaded
 
@@ -77,10 +87,11 @@ def test_only_protocol_loads_msgpack() -> None:
 # -- static --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "router").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "router").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT / "router")))
 def test_router_source_imports(path: Path) -> None:
     bad = imported_names(path) & {"mlx", "mlx_lm", "worker"}
-    assert not bad, f"router/{path.name} imports {sorted(bad)}"
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "worker").glob("*.py")), ids=lambda p: p.name)
@@ -97,23 +108,28 @@ def test_common_source_imports(path: Path) -> None:
         assert "msgpack" not in names, f"common/{path.name} imports msgpack"
 
 
-def sibling_imports(path: Path, package: str) -> set[str]:
-    """The modules of ``package`` a source file imports, anywhere in the file (deferred and
-    ``TYPE_CHECKING`` imports included: a loop closed behind one is still a loop)."""
+def imports_of(path: Path) -> set[str]:
+    """Every dotted name a source file imports, anywhere in the file (deferred and
+    ``TYPE_CHECKING`` imports included: a loop closed behind one is still a loop).
+    ``from a import b`` names ``a`` and ``a.b``: ``b`` may be a module."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            parts = node.module.split(".")
-            if parts[0] == package:
-                names.update(parts[1:2] or [alias.name for alias in node.names])
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[1] for a in node.names if a.name.startswith(f"{package}."))
-    return names - {path.stem}
+            names.update(alias.name for alias in node.names)
+    return names
 
 
-def import_circles(package: str) -> list[list[str]]:
-    """Each set of ``package``'s modules that reach one another through their imports."""
-    graph = {p.stem: sibling_imports(p, package) for p in (ROOT / package).glob("*.py")}
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` → the modules of ``package`` it imports."""
+    files = module_files(package)
+    return {m: {n for n in imports_of(path) if n in files} - {m} for m, path in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of nodes that reach one another through the graph's edges."""
 
     def reach(start: str) -> set[str]:
         seen: set[str] = set()
@@ -125,11 +141,33 @@ def import_circles(package: str) -> list[list[str]]:
         return seen
 
     reached = {m: reach(m) for m in graph}
-    circles = {frozenset({m} | {o for o in reached[m] if m in reached[o]})
-               for m in graph if m in reached[m]}
-    return sorted(sorted(c) for c in circles)
+    found = {frozenset({m} | {o for o in reached[m] if m in reached[o]})
+             for m in graph if m in reached[m]}
+    return sorted(sorted(c) for c in found)
 
 
-@pytest.mark.parametrize("package", ["worker", "common", "router"])
+def import_circles(package: str) -> list[list[str]]:
+    """Each set of ``package``'s modules that reach one another through their imports."""
+    return circles(import_graph(package))
+
+
+ROUTER_ROLES = ("http", "chat", "fleet", "ops")
+
+
+def role_of(module: str) -> str:
+    """``router.fleet.dispatch`` → ``fleet``; a module at the top (app, job) is its own."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or parts[-1] in ROUTER_ROLES else module
+
+
+@pytest.mark.parametrize("package", ["worker", "common", "router",
+                                     *(f"router.{role}" for role in ROUTER_ROLES)])
 def test_no_import_circles(package: str) -> None:
     assert import_circles(package) == [], f"{package}/ modules that import each other"
+
+
+def test_chat_and_fleet_never_import_each_other() -> None:
+    """They meet in the chat-completions handler (router/http/api.py), nowhere else."""
+    crossings = sorted((m, n) for m, imported in import_graph("router").items() for n in imported
+                       if {role_of(m), role_of(n)} == {"chat", "fleet"})
+    assert crossings == [], "router/chat and router/fleet import each other"

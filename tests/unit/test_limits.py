@@ -1,4 +1,4 @@
-"""router/limits.py: each size limit refuses with a BadRequest naming the parameter and flag."""
+"""router/http/limits.py: each size limit refuses with a BadRequest naming the parameter and flag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from common.errors import BadRequest, ContextLengthExceeded
-from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
+from router.http.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
 
 LIMITS = Limits(max_tokens=100, max_messages=2, max_tools=1, max_schema_bytes=50, max_stop_chars=5,
                 max_prompt_tokens=10)

@@ -1,4 +1,4 @@
-"""Tests for router/models.py: the model list from --model and --models-dir."""
+"""Tests for router/fleet/models.py: the model list from --model and --models-dir."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from router.models import build_catalog, parse_model_arg, resolve, scan_models_dir
+from router.fleet.models import build_catalog, parse_model_arg, resolve, scan_models_dir
 
 
 def model_folder(path: Path, *, layers: int = 2, weights: int = 1000) -> Path:

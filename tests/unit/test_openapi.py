@@ -1,4 +1,4 @@
-"""router/openapi.py: the spec lists exactly the app's routes, and it is valid OpenAPI."""
+"""router/http/openapi.py: the spec lists exactly the app's routes, and it is valid OpenAPI."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from common.config import RouterConfig
 from router.app import API, DISPATCHER, make_app
-from router.limits import Limits
-from router.openapi import ENDPOINTS, build_spec
+from router.http.limits import Limits
+from router.http.openapi import ENDPOINTS, build_spec
 
 
 @pytest.fixture

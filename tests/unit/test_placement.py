@@ -1,4 +1,4 @@
-"""Tests for router/placement.py: where a model's worker may load within the host budget."""
+"""Tests for router/fleet/placement.py: where a model's worker may load within the host budget."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from common.config import parse_duration
 from common.errors import ConfigError
-from router.placement import Action, Footprint, Plan, Resident, expired, lease_mb, plan_load
+from router.fleet.placement import Action, Footprint, Plan, Resident, expired, lease_mb, plan_load
 
 MIB = 1 << 20
 FP = Footprint(fixed_bytes=40 * MIB, min_request_bytes=20 * MIB, full_request_bytes=300 * MIB)

@@ -1,4 +1,4 @@
-"""Tests for router/plan.py: which grammar and parser a request gets."""
+"""Tests for router/chat/plan.py: which grammar and parser a request gets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from common.errors import BadRequest
-from router.plan import plan_output, template_tools
-from router.schema import parse_chat, parse_completion
+from router.chat.plan import plan_output, template_tools
+from router.chat.schema import parse_chat, parse_completion
 
 HERMES = "{% for t in tools %}{{ t }}{% endfor %}<tool_call></tool_call><think></think>"
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {

@@ -1,8 +1,8 @@
-"""Tests for router/quarantine.py: a fingerprint in flight at two deaths (explicit ``now``)."""
+"""Tests for router/fleet/quarantine.py: a fingerprint in flight at two deaths (explicit ``now``)."""
 
 from __future__ import annotations
 
-from router.quarantine import DEATHS_TO_QUARANTINE, QUARANTINE_S, SUSPECT_TTL_S, Quarantine
+from router.fleet.quarantine import DEATHS_TO_QUARANTINE, QUARANTINE_S, SUSPECT_TTL_S, Quarantine
 
 
 def test_constants() -> None:

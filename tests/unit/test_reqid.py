@@ -1,4 +1,4 @@
-"""router/reqid.py: which client ids are honoured, and that live ids stay unique."""
+"""router/http/reqid.py: which client ids are honoured, and that live ids stay unique."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.reqid import ROW_SEP, RequestIds, is_sane, make_request_id
+from router.http.reqid import ROW_SEP, RequestIds, is_sane, make_request_id
 
 
 def test_our_ids_are_sane() -> None:

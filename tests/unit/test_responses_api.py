@@ -1,4 +1,4 @@
-"""Tests for router/responses_api.py: the Responses body as the chat body that means the same.
+"""Tests for router/http/responses_api.py: the Responses body as the chat body that means the same.
 Pure: plain dicts in and out, no processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from common.errors import BadRequest
-from router.responses_api import parse_responses, to_chat
+from router.http.responses_api import parse_responses, to_chat
 from tests.unit.test_anthropic_api import FIXTURES
 
 

@@ -1,4 +1,4 @@
-"""Tests for router/responses_output.py: chat-shaped output as a Response object and its
+"""Tests for router/http/responses_output.py: chat-shaped output as a Response object and its
 event stream. Pure: no processes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from common.errors import WorkerLost
+from router.http.responses_output import ResponsesPresenter
 from router.job import TokenEvent
-from router.responses_output import ResponsesPresenter
 from tests.unit.test_anthropic_output import collector, events
 
 

@@ -1,4 +1,4 @@
-"""Tests for router/schema.py: every validation rule raises BadRequest naming its param."""
+"""Tests for router/chat/schema.py: every validation rule raises BadRequest naming its param."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from common.errors import BadRequest
 from common.protocol import SamplingParams
+from router.chat.schema import MAX_STOPS, NEUTRAL, parse_chat, parse_completion
 from router.job import ROOM_LEFT, Sampling
-from router.schema import MAX_STOPS, NEUTRAL, parse_chat, parse_completion
 
 DEFAULT_MAX = 512
 USER = [{"role": "user", "content": "hi"}]

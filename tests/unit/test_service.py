@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import permanent_exit
-from router.service import (
+from router.ops.service import (
     EXIT_TIMEOUT_S, JOBS, PERMANENT_EXIT_CODES, example_multi_spec, example_spec, label,
     launchd_plist, render, systemd_unit,
 )

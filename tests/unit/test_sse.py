@@ -9,9 +9,10 @@ import pytest
 
 from common.errors import RequestFailed
 from common.protocol import SamplingParams
-from router.job import ChoiceEvents, Job, Rows, Sampling, TokenEvent
-from router.limits import Limits
-from router.sse import Responder
+from router.http.limits import Limits
+from router.http.rows import Rows
+from router.http.sse import Responder
+from router.job import ChoiceEvents, Job, Sampling, TokenEvent
 
 
 class BrokenCollector:

@@ -1,8 +1,8 @@
-"""router/status.py: what the keyless status data may show."""
+"""router/ops/status.py: what the keyless status data may show."""
 
 from __future__ import annotations
 
-from router.status import _numbers, public_model_name
+from router.ops.status import _numbers, public_model_name
 
 
 def test_a_model_folder_is_shown_by_its_name_only() -> None:
@@ -20,7 +20,7 @@ def test_a_prompt_cache_report_keeps_numbers_only() -> None:
 
 
 def test_prompt_cache_metrics_by_tier() -> None:
-    from router.status import PromptCacheMetrics
+    from router.ops.status import PromptCacheMetrics
 
     cache = {
         "enabled": True, "hits": 5, "misses": 2, "cached_tokens": 900, "hits_by_kind": {"prefix": 3, "disk": 2},

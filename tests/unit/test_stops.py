@@ -1,4 +1,4 @@
-"""Tests for router/stops.py: stop strings over arbitrarily chunked text."""
+"""Tests for router/chat/stops.py: stop strings over arbitrarily chunked text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import BadRequest
-from router.stops import StopMatcher
+from router.chat.stops import StopMatcher
 
 
 def expected_output(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -1,4 +1,4 @@
-"""Tests for router/supervisor.py's decision half: ``Supervisor.decide`` and ``describe_exit``.
+"""Tests for router/fleet/supervisor.py's decision half: ``Supervisor.decide`` and ``describe_exit``.
 
 Only the pure parts: no process is spawned and no task is started. Since Python 3.10,
 asyncio primitives bind to a loop lazily, so the Supervisor can be built outside a loop.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from common.protocol import ExitCode, Hello
-from router.supervisor import (
+from router.fleet.supervisor import (
     BACKOFF_FIRST_S, BACKOFF_MAX_S, CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, HEALTHY_RESET_S,
     STARTUP_DEATHS, Supervisor, WorkerState, describe_exit,
 )

@@ -1,4 +1,4 @@
-"""Tests for router/tokencache.py: a chat's ids reused from earlier turns equal a full encoding.
+"""Tests for router/chat/tokencache.py: a chat's ids reused from earlier turns equal a full encoding.
 
 The property is checked with hypothesis on conversations that grow turn by turn, go back
 to an earlier turn and are edited in the middle, on three tokenizers: the demo model's
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from router.tokencache import PrefixTokenCache
-from router.tokenizer import RouterTokenizer
+from router.chat.tokencache import PrefixTokenCache
+from router.chat.tokenizer import RouterTokenizer
 from worker.demo import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, _train_tokenizer
 
 CHATML = (
@@ -148,7 +148,7 @@ def edited(draw: st.DrawFn, messages: list[dict[str, Any]]) -> list[dict[str, An
 
 def check_turn(cached: RouterTokenizer, plain: RouterTokenizer, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None) -> None:
-    """Ids and boundaries through the cache equal a full encoding's, as router/api.py asks them."""
+    """Ids and boundaries through the cache equal a full encoding's, as router/http/api.py asks them."""
     text = cached.render_chat(messages, tools, kwargs)
     ids = cached.encode_rendered(text)
     assert ids == full_ids(cached, text)

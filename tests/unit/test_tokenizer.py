@@ -1,4 +1,4 @@
-"""Tests for router/tokenizer.py on small tokenizers built in the test, offline.
+"""Tests for router/chat/tokenizer.py on small tokenizers built in the test, offline.
 
 Two tokenizer folders are built once per session: a byte-level BPE (as in GPT-2, Llama 3,
 Qwen) with a ChatML template, and a SentencePiece-style BPE with byte fallback (as in
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from common.errors import BadRequest, ConfigError
-from router.tokenizer import (
+from router.chat.tokenizer import (
     ByteLevelDetokenizer,
     IncrementalDetokenizer,
     OffsetDetokenizer,
@@ -427,7 +427,7 @@ def _single_byte_id(tok: RouterTokenizer, byte: int) -> int:
 def test_router_tokenizer_never_imports_mlx(chatml_dir: Path) -> None:
     code = (
         "import sys\n"
-        "from router.tokenizer import RouterTokenizer\n"
+        "from router.chat.tokenizer import RouterTokenizer\n"
         "tok = RouterTokenizer.load(sys.argv[1])\n"
         "ids = tok.encode_chat([{'role': 'user', 'content': 'hi 日本'}])\n"
         "d = tok.make_detokenizer(); d.add(ids); d.flush(); tok.decode(ids)\n"

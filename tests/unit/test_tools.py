@@ -1,4 +1,4 @@
-"""Tests for router/tools.py and router/harmony.py: realistic outputs of each family, whole
+"""Tests for router/chat/tools.py and router/chat/harmony.py: realistic outputs of each family, whole
 and split into stream chunks of every size, with text and reasoning around the calls."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from router.constraints import lark_grammar
-from router.tools import FORMATS, Delta, call_grammar, detect_format, make_parser
-from router.toolspec import Tool, ToolChoice
+from router.chat.constraints import lark_grammar
+from router.chat.tools import FORMATS, Delta, call_grammar, detect_format, make_parser
+from router.chat.toolspec import Tool, ToolChoice
 
 THINK = ("<think>", "</think>")
 

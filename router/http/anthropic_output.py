@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from common.errors import HeadroomError
-from router.output import Collector, sse
+from router.http.output import Collector, sse
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def error_body(exc: HeadroomError) -> dict[str, Any]:
     """Anthropic's error shape for any error of the tree: the API's one error mapping, used
-    by router/api.py's middleware for HTTP errors and by the stream's ``error`` event."""
+    by router/http/api.py's middleware for HTTP errors and by the stream's ``error`` event."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     message = exc.message
     if exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields

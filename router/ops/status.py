@@ -20,12 +20,12 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.version import __version__
-from router.access import DETAILED
-from router.dispatch import Dispatcher
-from router.fleet import Fleet, ModelState
-from router.history import SAMPLE_INTERVAL_S, History, Sample
-from router.link import WorkerLink
-from router.supervisor import WorkerState
+from router.fleet.dispatch import Dispatcher
+from router.fleet.fleet import Fleet, ModelState
+from router.fleet.link import WorkerLink
+from router.fleet.supervisor import WorkerState
+from router.ops.access import DETAILED
+from router.ops.history import SAMPLE_INTERVAL_S, History, Sample
 
 # Latency buckets from 1 ms to 2 min: TTFT spans queueing as well as prefill.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -162,7 +162,7 @@ SAMPLE_FIELDS = ("limit_bytes", "active_bytes", "cache_bytes", "reserved_bytes",
 PAGE_MEMORY_FIELDS = MEMORY_GAUGES + ("weights_bytes", "system_available_bytes", "device", "device_name",
                                       "context_length", "max_request_tokens", "running",
                                       "max_running_requests")
-# The page's files, served from the package (router/static/), never from elsewhere.
+# The page's files, served from the package (router/ops/static/), never from elsewhere.
 STATIC_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
                 ".svg": "image/svg+xml"}
 # The page may load only what this router serves, and may not be framed by another site.
@@ -405,7 +405,7 @@ def _numbers(d: dict[str, Any]) -> dict[str, Any]:
 
 def _static_response(name: str) -> web.Response:
     suffix = name[name.rfind("."):] if "." in name else ""
-    folder = resources.files("router") / "static"
+    folder = resources.files("router.ops") / "static"
     if "/" in name or name.startswith(".") or suffix not in STATIC_TYPES:
         raise web.HTTPNotFound()
     path = folder / name

@@ -1,6 +1,6 @@
 """A request's output as a Responses API Response object and its event stream.
 
-Like router/anthropic_output.py, the presenter is fed chat-shaped deltas (``content``,
+Like router/http/anthropic_output.py, the presenter is fed chat-shaped deltas (``content``,
 ``reasoning_content``, ``tool_calls`` fragments) and builds output items from them: a
 ``reasoning`` item, a ``message`` item with one ``output_text`` part, one
 ``function_call`` item per call. Streaming, each item is announced with
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from common.errors import HeadroomError
-from router.output import Collector, sse
+from router.http.output import Collector, sse
 
 KEEPALIVE = b": keepalive\n\n"
 

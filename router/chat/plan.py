@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.errors import BadRequest
-from router.constraints import after_marker, lark_grammar, response_format_grammar, response_format_lark
-from router.schema import Parsed
-from router.tools import MARKERS, StreamParser, call_grammar, detect_format, make_parser
+from router.chat.constraints import after_marker, lark_grammar, response_format_grammar, response_format_lark
+from router.chat.schema import Parsed
+from router.chat.tools import MARKERS, StreamParser, call_grammar, detect_format, make_parser
 
 __all__ = ["OutputPlan", "plan_output", "tool_format"]
 

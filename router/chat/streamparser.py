@@ -1,8 +1,8 @@
 """The output parsers' common ground: a state machine over a text stream, what it yields
 (``Delta``: content, reasoning, whole ``ToolCall``s) and the marker scanning both parsers use.
 
-Its own module so that ``router/tools.py`` (the families' parser and its factory) and
-``router/harmony.py`` (GPT-OSS's channels) both build on it without importing each other.
+Its own module so that ``router/chat/tools.py`` (the families' parser and its factory) and
+``router/chat/harmony.py`` (GPT-OSS's channels) both build on it without importing each other.
 """
 
 from __future__ import annotations

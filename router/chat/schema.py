@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import BadRequest
-from router.constraints import ResponseFormat
+from router.chat.constraints import ResponseFormat
+from router.chat.sampling_params import is_int, parse_max_tokens, parse_sampling
 from router.job import Sampling
-from router.sampling import is_int, parse_max_tokens, parse_sampling
-from router.toolspec import (
+from router.chat.toolspec import (
     Tool, ToolChoice, parse_response_format, parse_tool_calls, parse_tool_choice, parse_tools,
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from router.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id
+from router.chat.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id
 
 __all__ = ["HarmonyParser"]
 
@@ -22,7 +22,7 @@ _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 class HarmonyParser(StreamParser):
-    """GPT-OSS's channels; the same interface as ``router.tools.OutputParser``."""
+    """GPT-OSS's channels; the same interface as ``router.chat.tools.OutputParser``."""
 
     def __init__(self) -> None:
         self.buf = ""

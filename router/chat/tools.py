@@ -12,7 +12,7 @@ Families (``FORMATS``), chosen from the chat template's markers or forced by a f
 (``<tool_call><function=f><parameter=p>v</parameter></function></tool_call>``),
 ``llama3_json`` (Llama 3.x: the output is ``{"name": f, "parameters": {...}}``, maybe after
 ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]f[ARGS]{...}``)
-and ``harmony`` (GPT-OSS channels, in ``router/harmony.py``).
+and ``harmony`` (GPT-OSS channels, in ``router/chat/harmony.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from router.constraints import guided_schema
-from router.harmony import HarmonyParser
-from router.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id, scan
-from router.toolspec import Tool, ToolChoice
+from router.chat.constraints import guided_schema
+from router.chat.harmony import HarmonyParser
+from router.chat.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id, scan
+from router.chat.toolspec import Tool, ToolChoice
 
 __all__ = ["FORMATS", "MARKERS", "OutputParser", "detect_format", "call_grammar", "make_parser"]
 

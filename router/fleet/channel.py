@@ -16,7 +16,7 @@ import zmq
 
 from common.errors import ConfigError, ProtocolError
 from common.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, decode, encode, peek_hello
-from router.curve import CurveServer
+from router.ops.curve_server import CurveServer
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Tests for router/sampling.py: each sampling parameter parsed, bad values named in a 400."""
+"""Tests for router/chat/sampling_params.py: each sampling parameter parsed, bad values named in a 400."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from common.errors import BadRequest
 from common.protocol import SamplingParams
-from router.sampling import check_token_ids, parse_sampling
+from router.chat.sampling_params import check_token_ids, parse_sampling
 
 
 def parse(chat: bool = True, **body: Any) -> SamplingParams:

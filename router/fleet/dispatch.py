@@ -1,7 +1,7 @@
 """Send each job to a worker of its model that has room for it; route answers back.
 
-The channel (router/channel.py) moves frames; each worker incarnation is a link
-(router/link.py); which worker gets a job is router/routing.py's choice; whether a worker
+The channel (router/fleet/channel.py) moves frames; each worker incarnation is a link
+(router/fleet/link.py); which worker gets a job is router/fleet/routing.py's choice; whether a worker
 is alive is the supervisor's judgement. This module keeps the books between them: one
 queue per model, the jobs in flight on each link, and what happens to them when a worker
 is lost (answered at once, or re-queued for the model's other workers if it had produced
@@ -27,13 +27,13 @@ from common.protocol import (
     Cancel, FinishReason, Generate, Heartbeat, Hello, Message, Reject, RejectReason, Shutdown,
     Status, Tokens,
 )
-from router import admission, routing
-from router.backlog import Backlog
-from router.channel import Channel
-from router.curve import CurveServer
+from router.fleet import admission, routing
+from router.fleet.backlog import Backlog
+from router.fleet.channel import Channel
+from router.fleet.link import Liveness, WorkerLink
+from router.fleet.quarantine import Quarantine
 from router.job import Job, JobState, TokenEvent
-from router.link import Liveness, WorkerLink
-from router.quarantine import Quarantine
+from router.ops.curve_server import CurveServer
 
 log = logging.getLogger(__name__)
 

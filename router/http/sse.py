@@ -22,10 +22,11 @@ from aiohttp import web
 
 from common.errors import HeadroomError, RequestFailed
 from common.log import about
-from router.http_errors import public_error
-from router.job import Rows, TokenEvent
-from router.limits import Limits
-from router.output import Collector, Presenter
+from router.http.http_errors import public_error
+from router.http.limits import Limits
+from router.http.output import Collector, Presenter
+from router.http.rows import Rows
+from router.job import TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common import costmodel
-from router import admission
+from router.fleet import admission
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from common.costmodel import CostModel
 from common.protocol import Hello, MemoryReport
-from router import admission
+from router.fleet import admission
 from router.job import Job
 
 HEARTBEAT_TIMEOUT_S = 3.0       # silent this long → dead (spawned) or down (external)

@@ -2,10 +2,10 @@
 
 Each HTTP API is an `Endpoint`: its parser, which turns a body into the internal request
 (`Parsed`), and its presenter, which turns the output back into that API's shapes. The
-OpenAI endpoints are here; router/anthropic_api.py and router/responses_api.py add theirs,
+OpenAI endpoints are here; router/http/anthropic_api.py and router/http/responses_api.py add theirs,
 so queueing, admission, cancellation, keepalives, slow readers and worker loss are one
-code path. Handlers raise ``HeadroomError``s, which router/http_errors.py answers;
-router/sse.py writes the answer (a JSON body or an SSE stream).
+code path. Handlers raise ``HeadroomError``s, which router/http/http_errors.py answers;
+router/http/sse.py writes the answer (a JSON body or an SSE stream).
 """
 
 from __future__ import annotations
@@ -28,19 +28,20 @@ from common.errors import (
 )
 from common.log import about, bind_model
 from common.protocol import Hello
-from router import admission
-from router.dispatch import Dispatcher
-from router.fleet import Fleet, Served
-from router.job import ROOM_LEFT, ChoiceEvents, Job, JobState, Rows, Sampling
-from router.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
-from router.output import ChatPresenter, Collector, Formatter, Presenter
-from router.plan import plan_output, template_tools
-from router.reqid import ROW_SEP, KEY as REQUEST_ID, make_request_id
-from router.sampling import check_token_ids
-from router.schema import Parsed, parse_chat, parse_completion
-from router.sse import ClientGone, Responder, SlowReader
-from router.status import Metrics
-from router.tokenizer import RouterTokenizer
+from router.chat.plan import plan_output, template_tools
+from router.chat.sampling_params import check_token_ids
+from router.chat.schema import Parsed, parse_chat, parse_completion
+from router.chat.tokenizer import RouterTokenizer
+from router.fleet import admission
+from router.fleet.dispatch import Dispatcher
+from router.fleet.fleet import Fleet, Served
+from router.http.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
+from router.http.output import ChatPresenter, Collector, Formatter, Presenter
+from router.http.reqid import ROW_SEP, KEY as REQUEST_ID, make_request_id
+from router.http.rows import Rows
+from router.http.sse import ClientGone, Responder, SlowReader
+from router.job import ROOM_LEFT, ChoiceEvents, Job, JobState, Sampling
+from router.ops.status import Metrics
 
 log = logging.getLogger(__name__)
 # Prompts up to this many characters are tokenized on the event loop: a few tens of
@@ -60,7 +61,7 @@ class Endpoint:
     parse: Callable[[Any, int | None, int], Parsed]  # (body, default max_tokens, max n) -> Parsed
     # (body, parsed, rows, model id, tokenizer) -> the API's presenter
     present: Callable[[Any, Parsed, Rows, str, RouterTokenizer], Presenter]
-    # Another API's body as the chat body it asks for: the size limits (router/limits.py)
+    # Another API's body as the chat body it asks for: the size limits (router/http/limits.py)
     # are checked on that too, so no API's own shape (Responses' `input`, Anthropic's
     # `output_config.format`) is a way around them.
     as_chat: Callable[[Any], Any] | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.version import __version__
-from router.limits import MAX_STOP_CHARS, Limits
+from router.http.limits import MAX_STOP_CHARS, Limits
 
 JSON = "application/json"
 SSE = "text/event-stream"

@@ -4,8 +4,8 @@ One ``Collector`` per choice (each choice is one row in the worker's batch); one
 ``Formatter`` per request builds the chat or text completion shapes, streamed and not,
 with logprobs in OpenAI's shapes when the request asked for them. A ``Presenter`` is one
 API's view of the collectors (the OpenAI one, ``ChatPresenter``, is here;
-router/anthropic_output.py and router/responses_output.py hold the others), so one stream
-loop in router/api.py serves every API.
+router/http/anthropic_output.py and router/http/responses_output.py hold the others), so one stream
+loop in router/http/api.py serves every API.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from common.errors import HeadroomError
+from router.chat.schema import Parsed
+from router.chat.stops import StopMatcher
+from router.chat.streamparser import Delta, StreamParser, ToolCall
+from router.chat.tokenizer import IncrementalDetokenizer
 from router.job import TokenEvent
-from router.schema import Parsed
-from router.stops import StopMatcher
-from router.tokenizer import IncrementalDetokenizer
-from router.streamparser import Delta, StreamParser, ToolCall
 
 # A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
 LogprobRow = list[Any]
@@ -285,7 +285,7 @@ def sse(data: Any, event: str | None = None) -> bytes:
 
 
 class Presenter(Protocol):
-    """One API's shapes for a request's output; router/api.py's loop calls these.
+    """One API's shapes for a request's output; router/http/api.py's loop calls these.
 
     Stream methods return the bytes to write, b"" for nothing. A presenter keeps what it has
     sent, so it opens its stream (the message's head, the first block) when it first has
@@ -302,7 +302,7 @@ class Presenter(Protocol):
 
     def keepalive(self) -> bytes:
         """Something to send while a started stream has nothing to say, so a vanished client
-        is noticed (router/sse.py sends nothing before the first token)."""
+        is noticed (router/http/sse.py sends nothing before the first token)."""
         ...
 
     def tail(self, collectors: list[Collector], prompt_tokens: int) -> bytes:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import BadRequest
-from router.constraints import ResponseFormat
+from router.chat.constraints import ResponseFormat
 
 __all__ = ["Tool", "ToolChoice", "parse_tools", "parse_tool_choice", "parse_response_format",
            "parse_tool_calls"]

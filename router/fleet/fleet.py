@@ -1,7 +1,7 @@
 """Which workers run: models loaded on demand within one host budget, unloaded when idle.
 
 The fleet holds one supervisor per worker (spawned or external) and decides, with
-router/placement.py, when a model's worker is started and which idle workers stop to make
+router/fleet/placement.py, when a model's worker is started and which idle workers stop to make
 room; the supervisors then do the starting and stopping, and the dispatcher routes jobs to
 whichever workers are linked. One reconcile step, run on every change and a few times a
 second: unload what idled past its keep-alive, then place what is wanted and not loaded.
@@ -24,12 +24,12 @@ from common import costmodel
 from common.costmodel import CostModel
 from common.errors import InsufficientMemory
 from common.protocol import ExitCode, Hello, Limit, Trim
-from router import placement
-from router.dispatch import Dispatcher
-from router.link import STALL_TIMEOUT_S
-from router.models import ModelSpec, resolve
-from router.placement import Action, Footprint, Resident
-from router.supervisor import SpawnSpec, Supervisor, WorkerState
+from router.fleet import placement
+from router.fleet.dispatch import Dispatcher
+from router.fleet.link import STALL_TIMEOUT_S
+from router.fleet.models import ModelSpec, resolve
+from router.fleet.placement import Action, Footprint, Resident
+from router.fleet.supervisor import SpawnSpec, Supervisor, WorkerState
 
 log = logging.getLogger(__name__)
 

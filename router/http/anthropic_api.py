@@ -1,9 +1,9 @@
 """Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) on the shared path.
 
 A Messages body is translated into the chat-completions body that means the same
-(`to_chat`: plain dicts, pure) and parsed by router/schema.py, so the request is the same
+(`to_chat`: plain dicts, pure) and parsed by router/chat/schema.py, so the request is the same
 internal request as a chat completion's; `MessagesPresenter` turns the output back into
-Anthropic's message and its SSE event sequence (router/anthropic_output.py, where
+Anthropic's message and its SSE event sequence (router/http/anthropic_output.py, where
 `error_body` is the one place the error tree takes Anthropic's error shape).
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import BadRequest
-from router.anthropic_output import MessagesPresenter
-from router.api import Api, Endpoint
-from router.job import Rows
-from router.output import Presenter
-from router.schema import Parsed, parse_chat
-from router.tokenizer import RouterTokenizer
-from router.toolspec import tools_as_chat
+from router.chat.schema import Parsed, parse_chat
+from router.chat.tokenizer import RouterTokenizer
+from router.chat.toolspec import tools_as_chat
+from router.http.anthropic_output import MessagesPresenter
+from router.http.api import Api, Endpoint
+from router.http.output import Presenter
+from router.http.rows import Rows
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ tokens exactly and refuse a request before any GPU work. `transformers` is used 
 `RouterTokenizer.load`, to read the model folder the way the model's authors configured
 it; every call after that goes straight to the Rust `tokenizers` object, because
 `encode` runs for each request (through a batch call, the one that releases the GIL when
-router/api.py sends a long prompt to its thread pool) and detokenization runs on the
+router/http/api.py sends a long prompt to its thread pool) and detokenization runs on the
 event loop for every token of every stream. Nothing here imports `mlx` or `mlx_lm`.
-A rendered chat goes through `router/tokencache.py`: what an earlier turn of the same
+A rendered chat goes through `router/chat/tokencache.py`: what an earlier turn of the same
 conversation encoded is reused, id for id, and only the new part is encoded.
 
 Chat templates come from the model folder and are untrusted code. They are compiled once,
@@ -36,7 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
 from common.errors import BadRequest, ConfigError
-from router.tokencache import PrefixTokenCache
+from router.chat.tokencache import PrefixTokenCache
 
 __all__ = [
     "RouterTokenizer",

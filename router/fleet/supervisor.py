@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
-from router.link import STALL_TIMEOUT_S, WorkerLink
+from router.fleet.link import STALL_TIMEOUT_S, WorkerLink
 
 log = logging.getLogger(__name__)
 

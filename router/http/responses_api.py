@@ -1,10 +1,10 @@
 """OpenAI's Responses API (``/v1/responses``), stateless, on the shared path.
 
 A Responses body is translated into the chat-completions body that means the same
-(`to_chat`: plain dicts, pure) and parsed by router/schema.py; router/responses_output.py
+(`to_chat`: plain dicts, pure) and parsed by router/chat/schema.py; router/http/responses_output.py
 turns the output back into a Response object and its event stream. Nothing is stored, so
 ``previous_response_id`` and ``store: true`` are refused rather than half served. Errors
-keep OpenAI's shape (the default of router/api.py's middleware); a stream that fails
+keep OpenAI's shape (the default of router/http/api.py's middleware); a stream that fails
 after it started ends with ``error`` and ``response.failed`` events.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import BadRequest
-from router.api import Api, Endpoint
-from router.job import Rows
-from router.output import Presenter
-from router.responses_output import ResponsesPresenter
-from router.schema import Parsed, parse_chat
-from router.tokenizer import RouterTokenizer
-from router.toolspec import tools_as_chat
+from router.chat.schema import Parsed, parse_chat
+from router.chat.tokenizer import RouterTokenizer
+from router.chat.toolspec import tools_as_chat
+from router.http.api import Api, Endpoint
+from router.http.output import Presenter
+from router.http.responses_output import ResponsesPresenter
+from router.http.rows import Rows
 
 log = logging.getLogger(__name__)
 
