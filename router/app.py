@@ -16,6 +16,7 @@ import psutil
 from common.config import RouterConfig, parse_duration
 from common.curve import ServerKeys
 from common.errors import ConfigError, HeadroomError
+from router.fleet.channel import Channel
 from router.fleet.dispatch import Dispatcher
 from router.fleet.fleet import Fleet
 from router.fleet.models import ModelSpec, build_catalog
@@ -163,8 +164,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
                           client_max_size=cfg.max_body_bytes)
     app.on_response_prepare.append(add_header)
     app.on_response_prepare.append(access.make_cors_signal(policy))
-    dispatcher = Dispatcher(addr, cfg.max_queue, metrics,
-                            curve=CurveServer(link_keys, metrics) if link_keys else None)
+    channel = Channel(addr, metrics, curve=CurveServer(link_keys, metrics) if link_keys else None)
+    dispatcher = Dispatcher(channel, cfg.max_queue, metrics)
     fleet = make_fleet(cfg, addr, env, dispatcher, metrics)
     if state.exits_on_permanent_failure:
         fleet.on_permanent_failure = state.halt

@@ -2,7 +2,8 @@
 
 The router binds one ROUTER socket; every worker connects with DEALER sockets (a main one
 and a heartbeat one), so one socket serves any number of workers. Decoded messages go to
-one callback with the sender's identity; what they mean is the dispatcher's business.
+one callback with the sender's identity, given by whoever starts the channel; what they
+mean is the dispatcher's business.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from common.errors import ConfigError, ProtocolError
 from common.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, decode, encode, peek_hello
-from router.ops.curve_server import CurveServer
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +24,22 @@ log = logging.getLogger(__name__)
 MAX_DRAIN = 256
 
 
-class Channel:
-    """The router's socket. ``on_message(identity, msg)`` gets every well-formed frame."""
+class SocketGuard(Protocol):
+    """Secures the socket before it binds, and stops with it (CURVE: router/ops/curve_server.py)."""
 
-    def __init__(self, addr: str, metrics: Any, on_message: Callable[[bytes, Message], None],
-                 curve: CurveServer | None = None) -> None:
+    def secure(self, ctx: zmq.Context, sock: zmq.Socket) -> None: ...
+
+    async def stop(self, sock: zmq.Socket) -> None: ...
+
+
+class Channel:
+    """The router's socket. ``on_message(identity, msg)``, given to ``start``, gets every
+    well-formed frame."""
+
+    def __init__(self, addr: str, metrics: Any, curve: SocketGuard | None = None) -> None:
         self.addr = addr
         self.metrics = metrics
-        self.on_message = on_message
+        self.on_message: Callable[[bytes, Message], None] = lambda identity, msg: None
         self.curve = curve
         self.num_bad_frames = 0
         self.refused: dict[str, Any] | None = None  # the last worker refused for its version
@@ -49,7 +57,8 @@ class Channel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
 
-    async def start(self) -> None:
+    async def start(self, on_message: Callable[[bytes, Message], None]) -> None:
+        self.on_message = on_message
         if self.curve is not None:
             self.curve.secure(self._ctx, self._sock)
         elif self.addr.startswith("tcp://"):  # config refuses it too; never bind it open

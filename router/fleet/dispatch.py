@@ -33,7 +33,6 @@ from router.fleet.channel import Channel
 from router.fleet.link import Liveness, WorkerLink
 from router.fleet.quarantine import Quarantine
 from router.job import Job, JobState, TokenEvent
-from router.ops.curve_server import CurveServer
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +43,14 @@ EXPIRY_INTERVAL_S = 0.25
 class Dispatcher:
     """The queues per model and the jobs in flight on every worker link."""
 
-    def __init__(self, addr: str, max_queue: int, metrics: Any,
+    def __init__(self, channel: Channel, max_queue: int, metrics: Any,
                  clock: Callable[[], float] = time.monotonic,
-                 curve: CurveServer | None = None,
                  assign: Callable[[Hello], str | None] = lambda hello: hello.model_id) -> None:
         self.max_queue = max_queue
         self.metrics = metrics
         self.clock = clock
         self.assign = assign            # hello → the model alias it serves (None: refuse it)
-        self.channel = Channel(addr, metrics, self._handle, curve)
+        self.channel = channel          # built by the composition root (app.py); started here
         self.quarantine = Quarantine()
         self.links: dict[int, WorkerLink] = {}
         self.backlogs: dict[str, Backlog] = {}
@@ -66,7 +64,7 @@ class Dispatcher:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.channel.start()
+        await self.channel.start(self._handle)
         self._tasks = [asyncio.create_task(self._expiry_loop(), name="dispatch-expiry")]
 
     async def stop(self) -> None:

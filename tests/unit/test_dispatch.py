@@ -9,6 +9,7 @@ import pytest
 
 from common.costmodel import CostModel
 from common.protocol import Heartbeat, Hello, MemoryReport, TokenRow, Tokens
+from router.fleet.channel import Channel
 from router.fleet.dispatch import Dispatcher
 from router.fleet.link import Liveness, stall_timeout_s
 from router.job import Job, JobState, Sampling, TokenEvent
@@ -29,7 +30,8 @@ class Clock:
 @pytest.fixture
 def dispatcher() -> Iterator[tuple[Dispatcher, Clock]]:
     clock = Clock()
-    d = Dispatcher("inproc://unused", 8, Metrics(), clock=clock)
+    metrics = Metrics()
+    d = Dispatcher(Channel("inproc://unused", metrics), 8, metrics, clock=clock)
     d.sent = []  # type: ignore[attr-defined]
     d._send = lambda link, msg: d.sent.append((link.incarnation, msg))  # type: ignore[method-assign,attr-defined]
     hello = Hello(incarnation=7, pid=1, package_version="t", model_id="m", fingerprint="f",

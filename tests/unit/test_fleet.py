@@ -14,6 +14,7 @@ import pytest
 
 from common.costmodel import CostModel
 from common.protocol import ExitCode, Hello, Limit, MemoryReport, Status, Trim
+from router.fleet.channel import Channel
 from router.fleet.dispatch import Dispatcher
 from router.fleet.fleet import Fleet, ModelState
 from router.fleet.models import ModelSpec
@@ -49,7 +50,8 @@ async def world(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Fleet, D
     monkeypatch.setattr(Supervisor, "start", start)
     monkeypatch.setattr(Supervisor, "stop", stop)
     clock = Clock()
-    dispatcher = Dispatcher("inproc://fleet-test", 64, Metrics(), clock=clock)
+    metrics = Metrics()
+    dispatcher = Dispatcher(Channel("inproc://fleet-test", metrics), 64, metrics, clock=clock)
     sent: list[Any] = []
     dispatcher._send = lambda link, msg: sent.append(msg)  # type: ignore[method-assign]
     fleet = Fleet(SPECS, dispatcher, Metrics(), make_spawn=lambda spec, lease: SpawnSpec([spec.source, f"--lease={lease}"], {}),

@@ -171,3 +171,12 @@ def test_chat_and_fleet_never_import_each_other() -> None:
     crossings = sorted((m, n) for m, imported in import_graph("router").items() for n in imported
                        if {role_of(m), role_of(n)} == {"chat", "fleet"})
     assert crossings == [], "router/chat and router/fleet import each other"
+
+
+def test_router_roles_import_one_way() -> None:
+    """Read by role, the imports form no circle either (today http → chat, fleet, ops and
+    ops → fleet): a role can be read knowing only the roles below it."""
+    by_role: dict[str, set[str]] = {}
+    for m, imported in import_graph("router").items():
+        by_role.setdefault(role_of(m), set()).update(role_of(n) for n in imported)
+    assert circles({r: deps - {r} for r, deps in by_role.items()}) == []
