@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
+from prometheus_client import Counter
 
 from common.errors import ConfigError, ProtocolError
 from common.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, decode, encode, peek_hello
@@ -22,6 +23,12 @@ log = logging.getLogger(__name__)
 
 # Most frames handled per wakeup before yielding to the HTTP side.
 MAX_DRAIN = 256
+
+
+class ChannelMetrics(Protocol):
+    """What the channel counts (router/ops/status.py's Metrics has it)."""
+
+    bad_frames: Counter
 
 
 class SocketGuard(Protocol):
@@ -36,7 +43,7 @@ class Channel:
     """The router's socket. ``on_message(identity, msg)``, given to ``start``, gets every
     well-formed frame."""
 
-    def __init__(self, addr: str, metrics: Any, curve: SocketGuard | None = None) -> None:
+    def __init__(self, addr: str, metrics: ChannelMetrics, curve: SocketGuard | None = None) -> None:
         self.addr = addr
         self.metrics = metrics
         self.on_message: Callable[[bytes, Message], None] = lambda identity, msg: None

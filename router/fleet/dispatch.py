@@ -15,7 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Protocol
+
+from prometheus_client import Counter
 
 from common.costmodel import CostModel
 from common.errors import (
@@ -40,10 +42,19 @@ log = logging.getLogger(__name__)
 EXPIRY_INTERVAL_S = 0.25
 
 
+class DispatchMetrics(Protocol):
+    """What the dispatcher counts (router/ops/status.py's Metrics has it)."""
+
+    dispatched: Counter
+    cancelled: Counter
+    generated_tokens: Counter
+    worker_rejects: Counter
+
+
 class Dispatcher:
     """The queues per model and the jobs in flight on every worker link."""
 
-    def __init__(self, channel: Channel, max_queue: int, metrics: Any,
+    def __init__(self, channel: Channel, max_queue: int, metrics: DispatchMetrics,
                  clock: Callable[[], float] = time.monotonic,
                  assign: Callable[[Hello], str | None] = lambda hello: hello.model_id) -> None:
         self.max_queue = max_queue

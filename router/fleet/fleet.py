@@ -29,7 +29,7 @@ from router.fleet.dispatch import Dispatcher
 from router.fleet.link import STALL_TIMEOUT_S
 from router.fleet.models import ModelSpec, resolve
 from router.fleet.placement import Action, Footprint, Resident
-from router.fleet.supervisor import SpawnSpec, Supervisor, WorkerState
+from router.fleet.supervisor import SpawnSpec, Supervisor, SupervisorMetrics, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Worker:
 class Fleet:
     """The catalog's models and the workers that serve them."""
 
-    def __init__(self, catalog: list[ModelSpec], dispatcher: Dispatcher, metrics: Any, *,
+    def __init__(self, catalog: list[ModelSpec], dispatcher: Dispatcher, metrics: SupervisorMetrics, *,
                  make_spawn: Callable[[ModelSpec, int | None], SpawnSpec] | None,
                  budget_bytes: int | None, cap_bytes: int | None, keep_alive_s: float,
                  pins: tuple[str, ...] = (), replicas: int = 1, preload: bool = False,

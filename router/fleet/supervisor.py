@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from prometheus_client import Counter, Enum
+
 from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
 from router.fleet.link import STALL_TIMEOUT_S, WorkerLink
 
@@ -91,6 +93,14 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
     return returncode, None, reasons.get(returncode, f"exited with code {returncode}")
 
 
+class SupervisorMetrics(Protocol):
+    """What a supervisor counts (router/ops/status.py's Metrics has it)."""
+
+    worker_exits: Counter
+    worker_restarts: Counter
+    worker_state: Enum
+
+
 class Workers(Protocol):
     """What a supervisor calls on the dispatcher: the links it watches, and the news it
     brings (a worker lost, a control message, a model no worker will serve)."""
@@ -107,7 +117,7 @@ class Workers(Protocol):
 class Supervisor:
     """One worker's life as the router sees it (one per worker: spawned, or external)."""
 
-    def __init__(self, dispatcher: Workers, spawn: SpawnSpec | None, metrics: Any,
+    def __init__(self, dispatcher: Workers, spawn: SpawnSpec | None, metrics: SupervisorMetrics,
                  clock: Callable[[], float] = time.monotonic, *, model: str = "",
                  incarnation: int | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.dispatcher = dispatcher

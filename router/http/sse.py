@@ -16,9 +16,10 @@ import contextlib
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from common.errors import HeadroomError, RequestFailed
 from common.log import about
@@ -66,10 +67,16 @@ def is_client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+class StreamMetrics(Protocol):
+    """What a stream counts (router/ops/status.py's Metrics has it)."""
+
+    slow_readers: Counter
+
+
 class Responder:
     """Feeds a request's events to its collectors and writes what the presenter makes of them."""
 
-    def __init__(self, *, cancel: Any, limits: Limits, metrics: Any) -> None:
+    def __init__(self, *, cancel: Any, limits: Limits, metrics: StreamMetrics) -> None:
         self.cancel = cancel          # frees a finished choice's worker row at once
         self.limits = limits
         self.metrics = metrics

@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
@@ -31,6 +32,12 @@ REFUSALS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "unknown_key",
 LOG_EVERY_S = 60.0
 
 
+class CurveMetrics(Protocol):
+    """What the CURVE server counts (router/ops/status.py's Metrics has it)."""
+
+    refused_handshakes: Counter
+
+
 class _AllowList:
     def __init__(self, keys: frozenset[bytes]) -> None:
         self.keys = keys
@@ -42,7 +49,7 @@ class _AllowList:
 class CurveServer:
     """Secure one ROUTER socket: keys, the ZAP allow-list, and the refusal counter."""
 
-    def __init__(self, keys: ServerKeys, metrics: Any) -> None:
+    def __init__(self, keys: ServerKeys, metrics: CurveMetrics) -> None:
         self.keys = keys.own
         self.authorized = keys.authorized | {keys.own.public}
         self.metrics = metrics

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from router.ops.status import _numbers, public_model_name
+import pytest
+
+from router.fleet.channel import ChannelMetrics
+from router.fleet.dispatch import DispatchMetrics
+from router.fleet.supervisor import SupervisorMetrics
+from router.http.sse import StreamMetrics
+from router.ops.curve_server import CurveMetrics
+from router.ops.status import Metrics, _numbers, public_model_name
 
 
 def test_a_model_folder_is_shown_by_its_name_only() -> None:
@@ -38,3 +45,10 @@ def test_prompt_cache_metrics_by_tier() -> None:
     assert samples[("headroom_prompt_cache_writes_total", (("tier", "disk"),))] == 6
     assert samples[("headroom_prompt_cache_bytes", (("tier", "disk"),))] == 400
     assert samples[("headroom_prompt_cache_cached_tokens_total", ())] == 900
+
+
+@pytest.mark.parametrize("protocol", [ChannelMetrics, DispatchMetrics, SupervisorMetrics, StreamMetrics,
+                                      CurveMetrics], ids=lambda p: p.__name__)
+def test_metrics_has_what_each_part_counts(protocol: type) -> None:
+    metrics = Metrics()
+    assert [name for name in protocol.__annotations__ if not hasattr(metrics, name)] == []
