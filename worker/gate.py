@@ -1,9 +1,9 @@
 """Why did the worker take, hold back or stop a request? The worker's memory gate.
 
-The worker's twin of ``router/admission.py``: every memory decision the worker makes, as
-plain code over numbers. It takes the device probe and the clock as arguments and sees
-the engine only through an ``EngineView``; it never touches a socket or MLX. The server
-(``worker/server.py``) does the IO and asks the gate.
+The worker's twin of ``router/fleet/admission.py``: every memory decision the worker makes,
+as plain code over numbers. It takes the device probe and the clock as arguments and sees
+the engine only through an ``EngineView``; it never touches a socket or MLX. The core
+(``worker/core.py``) asks the gate; the server (``worker/server.py``) does the IO.
 
 - Admission is ask, then commit: ``can_admit`` answers without changing anything (it may
   clear MLX's buffer cache, which is reclaimable, before saying "no room"); ``reserve``
