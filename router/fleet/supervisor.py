@@ -146,6 +146,7 @@ class Supervisor:
         # is its exit under way, not a hang (no heartbeats to it, no silence verdict), and
         # only a process still there LEAVE_TIMEOUT_S later is killed.
         self._leaving_at: float | None = None
+        self._requested = False        # the coming exit is an operator's restart
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._wake = asyncio.Event()
         self._stopping = False
@@ -206,6 +207,7 @@ class Supervisor:
         if self.state is WorkerState.FAILED:
             self._set(WorkerState.RESTARTING, "restart requested by an operator")
         if self._proc is not None and self._proc.returncode is None:
+            self._requested = True
             self._terminate(self._proc, "restart requested by an operator")
         self._wake.set()
 
@@ -292,7 +294,9 @@ class Supervisor:
         blamed = self.dispatcher.worker_lost(self.incarnation or -1, why)
         self.metrics.worker_exits.labels(cause=sig or str(code)).inc()
         state, delay = self.decide(returncode, was_ready=self.state is WorkerState.READY,
-                                   blamed_on_quarantine=blamed, now=self.clock())
+                                   blamed_on_quarantine=blamed, now=self.clock(),
+                                   requested=self._requested)
+        self._requested = False
         log.warning("worker %s %s; %s", self.pid, why,
                     f"restarting in {delay:.1f}s" if state is WorkerState.RESTARTING else "giving up")
         if state is WorkerState.FAILED:
@@ -305,10 +309,12 @@ class Supervisor:
         return delay
 
     def decide(self, returncode: int, *, was_ready: bool, blamed_on_quarantine: bool,
-               now: float) -> tuple[WorkerState, float]:
+               now: float, requested: bool = False) -> tuple[WorkerState, float]:
         """Restart (with which backoff) or give up. The one place that decides."""
         if returncode > 0 and returncode in ExitCode.PERMANENT:
             return WorkerState.FAILED, 0.0
+        if requested:  # an operator's restart is not a death: no backoff, not a crash loop
+            return WorkerState.RESTARTING, 0.0
         if self.ready_at is not None and was_ready and now - self.ready_at >= HEALTHY_RESET_S:
             self._consecutive = 0
         if was_ready:

@@ -210,3 +210,15 @@ def test_describe_every_signal_number() -> None:
     for number in range(1, signal.NSIG):
         code, sig, why = describe_exit(-number)
         assert code is None and sig and why, number
+
+
+def test_an_operators_restart_is_neither_backed_off_nor_a_death(sup: Supervisor, clock: FakeClock) -> None:
+    """Restarting by hand (SIGHUP, POST /admin/workers/restart) again and again is not a
+    crash loop, and the new worker starts at once."""
+    for _ in range(CRASH_LOOP_DEATHS + 2):
+        clock.now += 1.0
+        assert sup.decide(0, was_ready=True, blamed_on_quarantine=False, now=clock.now,
+                          requested=True) == (WorkerState.RESTARTING, 0.0)
+    # A real death after them still starts the backoff from its first step.
+    assert sup.decide(-9, was_ready=True, blamed_on_quarantine=False,
+                      now=clock.now) == (WorkerState.RESTARTING, BACKOFF_FIRST_S)
