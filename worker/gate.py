@@ -321,13 +321,14 @@ class MemoryGate:
             fits, worst = self._fits(view, prompt_tokens, reach)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
         cold = False
-        while not fits and worst <= m.budget_bytes:
+        while not fits and (worst <= m.budget_bytes or reuse is not None):
             shortfall = worst - old_worst - self.free_bytes()
             evictable = self.cache.ledger().evictable_bytes
-            if reuse is not None and shortfall > evictable:
+            if reuse is not None and (worst > m.budget_bytes or shortfall > evictable):
                 # The entry it would reuse is held for it, so never counted as evictable:
                 # a request that fits cold must not wait for room its own reuse holds (with
-                # nothing running it would wait for ever). It lets go and runs cold.
+                # nothing running it would wait for ever), nor for a budget its reuse's
+                # overhang (kv_reach_tokens) alone passes. It lets go and runs cold.
                 self.cache.release(reuse)
                 reuse, cold, reach = None, True, max_tokens
                 fits, worst = self._fits(view, prompt_tokens, reach)
@@ -357,7 +358,10 @@ class MemoryGate:
         if not self.admission:
             return True
         free = self.free_bytes() - nbytes + self.cache.ledger().evictable_bytes
-        fits, _ = costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
+        # Charged with the most a restored prefix's row can reach past its length (a step
+        # less a token: kv_reach_tokens), so can_admit does not then let go of the read.
+        reach = max_tokens + costmodel.KV_STEP_TOKENS - 1
+        fits, _ = costmodel.fits_now(self.model, view.running_totals, prompt_tokens, reach,
                                      view.prefilling, free)
         return fits
 

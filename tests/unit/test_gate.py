@@ -766,3 +766,24 @@ def test_a_reuse_off_the_kv_step_is_charged_where_its_buffer_grows() -> None:
     assert aligned.admit and off.admit and cold.admit
     assert off.worst_bytes == gate.can_admit(view(), 236, 491 - 236).worst_bytes > cold.worst_bytes
     assert aligned.worst_bytes == cold.worst_bytes
+
+
+def test_a_request_that_fits_cold_is_admitted_whatever_its_reuse() -> None:
+    """Near the longest request an idle worker holds, a reused prefix off the KV step (its
+    row reaches up to a step past its length, kv_reach_tokens) can take the charge past the
+    budget: the request must then let go of it and run cold at once, never wait for room
+    that cannot come (a review of 819ab85 found such stalls)."""
+    # KV-dominated, as on a model whose chunk shrinking frees little: the overhang decides.
+    gate, _ = make_gate(make_model(prefill_a_bytes=100.0, prefill_c_bytes=0.0, prefill_b_bytes=0.0,
+                                   budget_bytes=300 * MIB))
+    longest = costmodel.max_request_tokens(gate.model)
+    checked = 0
+    for total in range(longest - 600, longest + 1, 8):
+        for cached in (257, 300, 511, 767):
+            prompt = total - 16
+            if cached >= prompt or not gate.can_admit(view(), prompt, 16).admit:
+                continue
+            decision = gate.can_admit(view(), prompt, 16, reuse=SimpleNamespace(tokens=cached))
+            assert decision.admit, (total, cached)
+            checked += 1
+    assert checked > 100
