@@ -210,6 +210,9 @@ class WorkerCore:
     def admit(self, msg: Generate) -> None:
         """The worker is authoritative: it takes only what the gate has room for."""
         at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
+        if self.stop_reason is not None:  # leaving: the router gives it to another worker
+            self._out.append(self._reject(msg, RejectReason.NOT_NOW, "the worker is stopping"))
+            return
         reject = self._validate(msg)
         if reject is None and not self._grammar_ready(msg):
             return
@@ -311,12 +314,13 @@ class WorkerCore:
         self.gate.grow_scale(factor, self.clock())
         self._changed = True
 
-    def fail_all(self) -> list[Message]:
-        """Shutting down: every running request ends with a retryable error."""
-        failed = [] if self.broken else self.engine.cancel_all()
-        if failed:
-            self._send_outputs([Output(rid, [], FinishReason.ERROR) for rid in failed])
-        return self._take()
+    def stop_all(self) -> None:
+        """Shutting down: what still runs is dropped here and answered by the router when
+        the worker's exit (or its Shutdown) is seen: re-queued when it had produced nothing,
+        a retryable ``worker_lost`` otherwise (a memory error's ``error`` would misname it)."""
+        if not self.broken:
+            self.engine.cancel_all()
+        self._compiling.clear()
 
     def schedule(self) -> Schedule:
         """What the next engine step runs, decided top to bottom in this one place.

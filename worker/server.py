@@ -190,7 +190,7 @@ class WorkerServer:
             started = time.perf_counter()
             self.receive(timeout_ms=0)
             self.send_all(core.step(started))
-        self.send_all(core.fail_all())
+        core.stop_all()
         self.send(Shutdown(incarnation=self.opts.incarnation, reason=self.stop_reason or ""))
         at.append(time.monotonic())
         self.heartbeat.stopped.set()

@@ -46,6 +46,9 @@ STOP_TIMEOUT_S = 10.0           # TERM → KILL escalation when stopping our wor
 # A worker asked to restart (or that said it is stopping) finishes its running requests
 # first (its own grace, 10 s) and then exits: past this it is killed.
 LEAVE_TIMEOUT_S = 15.0
+# A worker that said it is stopping (its Shutdown sent: its running requests are done or
+# dropped) has only its exit left, which takes well under a second: past this it is killed.
+EXIT_TIMEOUT_S = 3.0
 STDERR_TAIL_LINES = 30
 
 
@@ -146,6 +149,7 @@ class Supervisor:
         # is its exit under way, not a hang (no heartbeats to it, no silence verdict), and
         # only a process still there LEAVE_TIMEOUT_S later is killed.
         self._leaving_at: float | None = None
+        self._leave_timeout_s = LEAVE_TIMEOUT_S
         self._requested = False        # the coming exit is an operator's restart
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._wake = asyncio.Event()
@@ -193,7 +197,7 @@ class Supervisor:
     def _terminate(self, proc: asyncio.subprocess.Process, reason: str) -> None:
         """Ask our worker to stop (a Shutdown, and SIGTERM for a loop that is not reading);
         the monitor kills it only if it is still there LEAVE_TIMEOUT_S later."""
-        self._leaving_at = self.clock()
+        self._leave(LEAVE_TIMEOUT_S)
         self.request_shutdown(reason)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -239,7 +243,7 @@ class Supervisor:
         if self.spawn_spec is None:
             self._lost(incarnation, f"worker shut down: {reason}", WorkerState.DOWN)
         elif self._leaving_at is None:
-            self._leaving_at = self.clock()  # its exit follows: wait for it, do not judge silence
+            self._leave(EXIT_TIMEOUT_S)  # its exit follows: wait for it, do not judge silence
 
     # -- spawned workers -------------------------------------------------------------
 
@@ -359,11 +363,18 @@ class Supervisor:
             if why is not None:
                 self._unresponsive(link.incarnation, why)
 
+    def _leave(self, timeout_s: float) -> None:
+        """Our worker is leaving: no new job goes to it, and it has ``timeout_s`` to exit."""
+        self._leaving_at, self._leave_timeout_s = self.clock(), timeout_s
+        link = self.dispatcher.links.get(self.incarnation) if self.incarnation is not None else None
+        if link is not None:
+            link.retiring = True
+
     def _hurry_exit(self, since: float) -> None:
-        """A leaving worker is given LEAVE_TIMEOUT_S to exit by itself (it finishes running
-        requests first, up to its own grace), then killed."""
+        """A leaving worker is given its time to exit by itself (asked by us: its grace for
+        running requests and the exit; having said it is stopping: the exit), then killed."""
         waited_s = self.clock() - since
-        if not self.is_exited and waited_s > LEAVE_TIMEOUT_S:
+        if not self.is_exited and waited_s > self._leave_timeout_s:
             self._kill(f"still running {waited_s:.1f}s after it was asked to stop")
 
     def _unresponsive(self, incarnation: int, why: str) -> None:
