@@ -28,6 +28,7 @@ from common.protocol import (
 )
 from worker.engine import Engine, Output
 from worker.gate import EngineView, MemoryGate, is_memory_error
+from worker.grammar import GrammarCompiler
 from worker.memory import MemoryState
 from worker.pacer import ChunkPacer
 from worker.prefix_cache import PrefixCache
@@ -41,6 +42,9 @@ STEP_BUDGET_S = 0.5
 # A step this much longer than the budget is logged with its shape (a fresh worker's first
 # long prompt on the H200 took 4x a warm one's time: which step, and what shape, says why).
 SLOW_STEP_S = 1.5 * STEP_BUDGET_S
+# A grammar the router's llguidance compiled in milliseconds: one still compiling here after
+# this long is refused rather than left waiting (no step or deadline would end its wait).
+COMPILE_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -115,7 +119,7 @@ class WorkerCore:
         self._previous: EngineView | None = None
         self._admitted_at: dict[str, float] = {}   # at DEBUG: admission times, for the TTFT split
         # Requests whose grammar is compiling: admitted (or refused) once it has.
-        self._compiling: dict[str, tuple[Generate, Future[Any]]] = {}
+        self._compiling: dict[str, tuple[Generate, Future[Any], float]] = {}   # ..., its deadline
         self.pacer = ChunkPacer(STEP_BUDGET_S, memory.model.prefill_step_tokens)
         self.chunk_tokens = memory.model.prefill_step_tokens
 
@@ -177,46 +181,45 @@ class WorkerCore:
                  self.memory.probe.limit_bytes >> 20)
 
     def admit_compiled(self) -> None:
-        """Admit (or refuse) the requests whose grammar has finished compiling."""
-        done = [rid for rid, (_, compiled) in self._compiling.items() if compiled.done()]
-        for request_id in done:
-            self.admit(self._compiling.pop(request_id)[0])
+        """Admit (or refuse) the requests whose grammar has finished compiling; one whose
+        compile outlasts COMPILE_TIMEOUT_S is refused (nothing else would end its wait)."""
+        now = self.clock()
+        for request_id, (msg, compiled, deadline) in list(self._compiling.items()):
+            if compiled.done():
+                del self._compiling[request_id]
+                self.admit(msg, compiled)
+            elif now > deadline:
+                del self._compiling[request_id]
+                self._out.append(self._reject(msg, RejectReason.BAD_GRAMMAR,
+                                              f"the grammar did not compile within {COMPILE_TIMEOUT_S:.0f} s"))
 
-    def _grammar_ready(self, msg: Generate) -> bool:
-        """False while the request's grammar compiles: it waits here (``admit_compiled``
-        takes it up again), never inside a step."""
-        grammars = self.engine.grammars
-        if msg.sampling.grammar is None or grammars is None:
-            return True
-        compiled = grammars.compile(msg.sampling.grammar)
-        if compiled.done():
-            return True
-        self._compiling[msg.request_id] = (msg, compiled)
-        return False
-
-    def _grammar_refusal(self, msg: Generate) -> Reject | None:
+    def _grammar_refusal(self, msg: Generate, compiled: Future[Any] | None) -> Reject | None:
         """A grammar is checked before any GPU work: refused when this worker cannot build it."""
-        grammars = self.engine.grammars
         if msg.sampling.grammar is None:
             return None
-        if grammars is None:
+        if compiled is None:
             return self._reject(msg, RejectReason.BAD_GRAMMAR, "this worker cannot enforce grammars")
-        error = grammars.error_of(grammars.compile(msg.sampling.grammar))
+        error = GrammarCompiler.error_of(compiled)
         if error is None:
             return None
         log.info("refused: its grammar cannot be built here: %s", error, extra=about(msg.request_id))
         return self._reject(msg, RejectReason.BAD_GRAMMAR, f"this grammar cannot be enforced: {error}")
 
-    def admit(self, msg: Generate) -> None:
-        """The worker is authoritative: it takes only what the gate has room for."""
+    def admit(self, msg: Generate, compiled: Future[Any] | None = None) -> None:
+        """The worker is authoritative: it takes only what the gate has room for. A request
+        with a grammar first waits (here, never inside a step) for its compile: ``compiled``."""
         at = [time.perf_counter()]  # the parts' times, for the DEBUG line (a few perf_counter calls)
         if self.stop_reason is not None:  # leaving: the router gives it to another worker
             self._out.append(self._reject(msg, RejectReason.NOT_NOW, "the worker is stopping"))
             return
         reject = self._validate(msg)
-        if reject is None and not self._grammar_ready(msg):
-            return
-        reject = reject or self._grammar_refusal(msg)
+        grammars = self.engine.grammars
+        if reject is None and compiled is None and msg.sampling.grammar is not None and grammars is not None:
+            compiled = grammars.compile(msg.sampling.grammar)
+            if not compiled.done():
+                self._compiling[msg.request_id] = (msg, compiled, self.clock() + COMPILE_TIMEOUT_S)
+                return
+        reject = reject or self._grammar_refusal(msg, compiled)
         # Taken (promised) before admission may evict: the entry this request reuses stays,
         # unless the request fits only without it (the gate then lets go of it: ``cold``).
         n, view = len(msg.prompt_ids), self.view()
@@ -241,13 +244,16 @@ class WorkerCore:
             self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                             sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
         except Exception as exc:
-            if is_memory_error(exc):
-                raise
-            log.warning("could not start: %s: %s", type(exc).__name__, exc, extra=about(msg.request_id))
             if hit is not None and self.cache is not None:
                 self.cache.release(hit)
+            if is_memory_error(exc):  # no room after all: give MLX's cache back, ask again later
+                log.warning("could not start (%s); re-queued", exc, extra=about(msg.request_id))
+                self.memory.probe.clear_cache()
+                self._out.append(self._reject(msg, RejectReason.NOT_NOW, f"no room now: {exc}"))
+                return
+            log.warning("could not start: %s: %s", type(exc).__name__, exc, extra=about(msg.request_id))
             self._out.append(self._reject(msg, RejectReason.REQUEST_FAILED,
-                                   f"the request could not start: {type(exc).__name__}: {exc}"))
+                                          f"the request could not start: {type(exc).__name__}: {exc}"))
             return
         if self.cache is not None:
             self.cache.record(hit)
@@ -370,11 +376,6 @@ class WorkerCore:
             self.gate.rebase(self.view())
             self._changed = True
         return [Output(rid, [], FinishReason.EVICTED) for rid in plan.evict]
-
-    def relieve_pressure(self) -> list[Output]:
-        """The schedule's pressure relief alone (stop admitting, shrink the chunk, then
-        evict), for a caller that does not step the engine."""
-        return self._apply(self.schedule())
 
     def _step_engine(self) -> list[Output]:
         if not self.engine.has_work or self.broken:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # Generator calls a step may add, back to back, to reach a prompt's first token.
 FIRST_TOKEN_CALLS = 2
 # An output's finish reason when the row's own sampler or processors failed (``failure``
-# says why); the server answers it as the request's own error, never the worker's.
+# says why); the core answers it as the request's own error, never the worker's.
 FAILED = "failed"
 
 

@@ -3,7 +3,7 @@
 The router turns ``response_format`` and forced tool calls into an llguidance grammar and
 has already refused any its llguidance cannot enforce; here each grammar is compiled once,
 on a thread (llguidance drops the GIL while compiling), and kept in a small LRU cache so a
-repeated schema costs only a matcher copy. The server admits a request only once its
+repeated schema costs only a matcher copy. The core admits a request only once its
 grammar has compiled here (this worker's llguidance may differ from the router's): one
 that cannot is refused before any GPU work, never found failing inside a step. Per step the
 processor advances the row's matcher by the token it sampled last, asks for the bitmask

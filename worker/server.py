@@ -43,8 +43,9 @@ COMPILE_POLL_MS = 2
 HELLO_RETRY_S = 2.0
 # On SIGTERM, let running requests finish for this long before failing them.
 SHUTDOWN_GRACE_S = 10.0
-# At exit, the disk tier's queued writes get this long; what is left is not written (a
-# restart then serves those prompts cold), so a worker asked to stop is gone within 2 s.
+# At exit, the disk tier's queued writes get about this long (the writer's queue and its
+# thread are each waited on up to this, so twice at worst); what is left is not written (a
+# restart then serves those prompts cold). With nothing queued, the exit takes milliseconds.
 EXIT_WRITES_S = 1.0
 # After the router is gone, give the loop this long to exit on its own.
 ORPHAN_EXIT_S = 5.0

@@ -8,7 +8,10 @@ per-process bytes on CUDA) does not exist on Linux's CPU backend.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +35,7 @@ def loaded(cache_home: Path) -> object:
     return load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
 
 
-def make_core(loaded: object) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
+def make_core(loaded: object, clock: Any = time.monotonic) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
     engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
                     prefill_batch_size=8, max_batch_size=8)
     probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
@@ -45,7 +48,7 @@ def make_core(loaded: object) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
                          active_baseline_bytes=0)
     cache = PrefixCache(max_bytes=model.budget_bytes // 2, max_entries=8, budget_share=0.5)
     opts = CoreOptions(incarnation=1, oom_guard="off", admission=True, max_running=8, vocab_size=512)
-    return WorkerCore(opts, engine, memory, cache=cache), probe, cache
+    return WorkerCore(opts, engine, memory, clock=clock, cache=cache), probe, cache
 
 
 def types(messages: list[Message]) -> list[str]:
@@ -64,7 +67,7 @@ def test_the_runtimes_excess_moves_the_budget_the_cache_bound_and_the_published_
     probe.footprint_bytes = probe.active_bytes + OUTSIDE + 750 * MIB
     core.memory.refresh()
     assert core.memory.headroom_bytes() < core.memory.reserved_bytes
-    outputs = core.relieve_pressure()
+    outputs = core._apply(core.schedule())                        # the schedule's pressure relief
     assert outputs == [] and not core.gate.under_pressure          # nothing stopped
     assert core.memory.runtime_bytes > 0
     assert core.gate.model.budget_bytes == budget - core.memory.runtime_bytes
@@ -151,3 +154,28 @@ def test_mlx_memory_limit_is_set_before_the_first_forward(
         assert limit is not None and budget < limit <= 512 * MIB
     else:
         assert limit is None
+
+
+class StuckGrammars:
+    """A grammar compiler whose compile never finishes (a pathological grammar)."""
+
+    def compile(self, grammar: str) -> Future[Any]:
+        return Future()
+
+
+def test_a_grammar_that_never_compiles_is_refused_after_its_deadline(loaded: object) -> None:
+    """A request waits for its grammar outside the steps, where no stall check sees it: a
+    compile that outlasts COMPILE_TIMEOUT_S ends its wait with a refusal."""
+    from worker.core import COMPILE_TIMEOUT_S
+
+    now = [100.0]
+    core, _, _ = make_core(loaded, clock=lambda: now[0])
+    core.engine.grammars = StuckGrammars()  # type: ignore[assignment]
+    msg = Generate(incarnation=1, request_id="g", prompt_ids=[5, 6, 7], max_tokens=4,
+                   sampling=SamplingParams(grammar='{"grammars": []}'))
+    assert core.handle(msg) == [] and core.is_compiling
+    assert [m for m in core.step() if m.type == "reject"] == []
+    now[0] += COMPILE_TIMEOUT_S + 1
+    (reject,) = [m for m in core.step() if m.type == "reject"]
+    assert reject.request_id == "g" and reject.reason == "bad_grammar"  # type: ignore[attr-defined]
+    assert not core.is_compiling and not core.engine.has_work
