@@ -312,7 +312,8 @@ class MemoryGate:
                             costmodel.request_cost_bytes(m, prompt_tokens, max_tokens))
         # A row that starts from a reused prefix can hold up to a KV step more than its
         # length (costmodel.kv_reach_tokens): charged as that much more output.
-        reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens, reuse)
+        reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens,
+                                                  reuse.tokens if reuse is not None else 0)
         fits, worst = self._fits(view, prompt_tokens, reach)
         last = self.memory.last
         if not fits and last is not None and last.cache_bytes > 0:
@@ -344,11 +345,12 @@ class MemoryGate:
         return Decision(None, worst_bytes=worst, cold=cold)
 
     @staticmethod
-    def _reuse_overhang(total_tokens: int, reuse: Any) -> int:
-        cached = reuse.tokens if reuse is not None else 0
-        return costmodel.kv_reach_tokens(total_tokens, cached) - total_tokens
+    def _reuse_overhang(total_tokens: int, cached_tokens: int) -> int:
+        """How far past its length a row that starts from a reused prefix can reach."""
+        return costmodel.kv_reach_tokens(total_tokens, cached_tokens) - total_tokens
 
-    def can_restore(self, nbytes: int, view: EngineView, prompt_tokens: int, max_tokens: int) -> bool:
+    def can_restore(self, nbytes: int, view: EngineView, prompt_tokens: int, max_tokens: int,
+                    tokens: int = 0) -> bool:
         """May a disk read of ``nbytes`` be made for this request? Into free memory only
         (``can_hold``), and only if the request still fits beside it once what is evictable
         is given back: a read it would have to give back again to run is not made (the
@@ -358,9 +360,9 @@ class MemoryGate:
         if not self.admission:
             return True
         free = self.free_bytes() - nbytes + self.cache.ledger().evictable_bytes
-        # Charged with the most a restored prefix's row can reach past its length (a step
-        # less a token: kv_reach_tokens), so can_admit does not then let go of the read.
-        reach = max_tokens + costmodel.KV_STEP_TOKENS - 1
+        # Charged as can_admit will charge it, with the restored prefix's reach
+        # (``tokens``: kv_reach_tokens), so can_admit does not then let go of the read.
+        reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens, tokens)
         fits, _ = costmodel.fits_now(self.model, view.running_totals, prompt_tokens, reach,
                                      view.prefilling, free)
         return fits

@@ -35,6 +35,7 @@ restored when the gate has room for it, charged before the read.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -241,11 +242,13 @@ class PrefixCache:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], restore_room: Callable[[int], bool] | None = None) -> Hit | None:
+    def lookup(self, prompt: Sequence[int],
+               restore_room: Callable[[int, int], bool] | None = None) -> Hit | None:
         """The reuse that saves ``prompt`` the most prefill, taken (pinned) for it, or None.
         The caller releases it (``release``) when its row joins the batch or is dropped.
-        ``restore_room``: may a disk read of this many bytes be made for this request (the
-        gate's ``can_restore``: only if the request still fits beside it)? Else ``room``."""
+        ``restore_room(nbytes, tokens=)``: may a disk read of this many bytes, a prefix of this
+        many tokens, be made for this request (the gate's ``can_restore``: only if the request
+        still fits beside it)? Else ``room``."""
         ids = np.asarray(prompt, dtype=np.int64)
         hit = self._best_ram(ids)
         if self.disk is not None:
@@ -298,7 +301,8 @@ class PrefixCache:
             kind = "exact"
         return Hit(entry, use, kind, view(entry.cache, trim))
 
-    def _from_disk(self, ids: np.ndarray, ram: Hit | None, room: Callable[[int], bool] | None) -> Hit | None:
+    def _from_disk(self, ids: np.ndarray, ram: Hit | None,
+                   room: Callable[[int, int], bool] | None) -> Hit | None:
         """A longer prefix on disk than in RAM: restore it if the gate has room for it."""
         assert self.disk is not None
         found = self.disk.longest_prefix(ids[:-1].tolist())
@@ -306,7 +310,7 @@ class PrefixCache:
             return ram
         tokens, key = found
         nbytes = self.disk.entry_bytes(key)
-        if not self._may_hold(nbytes, room):
+        if not self._may_hold(nbytes, functools.partial(room, tokens=tokens) if room else None):
             return ram
         cache = self.disk.load(key, tokens)
         if cache is None:

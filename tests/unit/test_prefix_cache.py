@@ -267,11 +267,11 @@ def test_a_disk_read_the_request_could_not_run_beside_is_not_made() -> None:
     disk.files["a"] = seq(300)
     put(cache, seq(100))
     asked: list[int] = []
-    hit = cache.lookup(seq(400), restore_room=lambda nbytes: asked.append(nbytes) is not None)
+    hit = cache.lookup(seq(400), restore_room=lambda nbytes, tokens=0: asked.append(nbytes) is not None)
     assert hit is not None and hit.kind == "prefix" and hit.tokens == 100
     assert asked == [300 * PER_TOKEN] and disk.loads == []
     cache.release(hit)
-    hit = cache.lookup(seq(400), restore_room=lambda nbytes: True)
+    hit = cache.lookup(seq(400), restore_room=lambda nbytes, tokens=0: True)
     assert hit is not None and hit.kind == "disk" and disk.loads == ["a"]
 
 
