@@ -68,7 +68,9 @@ def test_sessions_grow_to_the_target_through_earlier_exchanges() -> None:
     earlier = num_earlier_exchanges(head, shape(grow_to_tokens=4000))
     assert earlier == round((4000 - head - 3 * 200) / 200) > 0
     assert s.turn_ends[0] == 2 + 2 * earlier
-    assert abs(len(s.prompt_ids[-1]) - 4000) <= 200      # within one turn of the target
+    # Within one turn of the target: a turn adds up to turn_tokens + 40 (its words are drawn
+    # unseeded, so no run reuses another's cache; 1 in 25 runs came out 209 over).
+    assert abs(len(s.prompt_ids[-1]) - 4000) <= 200 + 40
     acc = accounting([s])
     assert acc["earlier_exchanges"] == earlier and acc["turns"] == 4
     assert acc["first_prompt_tokens_mean"] == len(s.prompt_ids[0])
