@@ -57,6 +57,7 @@ import aiohttp
 
 from bench.client import one_request, request_body
 from bench.metrics import percentile
+from bench.procs import pid_gone
 from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
@@ -294,14 +295,6 @@ def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: fl
         return exc.code, json.loads(exc.read() or b"null")
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _restart_timing(url: str, how: str, timeout_s: float) -> dict[str, Any]:
     """Seconds from the restart (operator's, or SIGKILL of the worker) to the old process
     gone and to the new worker's first answer."""
@@ -314,7 +307,7 @@ def _restart_timing(url: str, how: str, timeout_s: float) -> dict[str, Any]:
     gone_s = None
     deadline = started + timeout_s
     while time.monotonic() < deadline:
-        if gone_s is None and _pid_gone(old):
+        if gone_s is None and pid_gone(old):
             gone_s = time.monotonic() - started
         status, health = _http("GET", url + "/health")
         if status == 200 and worker_of(health).get("pid") not in (None, old) and gone_s is not None:

@@ -30,6 +30,15 @@ class StartError(RuntimeError):
     """A server did not become healthy; the message carries its log tail."""
 
 
+def pid_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its parent counts as gone; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def free_port() -> int:
     """A port the kernel just handed out on loopback (tiny race; fine for a benchmark)."""
     with socket.socket() as s:

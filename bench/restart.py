@@ -22,18 +22,10 @@ from typing import Any
 
 import httpx
 
-from bench.procs import free_port
+from bench.procs import free_port, pid_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_S = 120.0
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _wait(what: str, predicate: Any, timeout_s: float) -> None:
@@ -75,7 +67,7 @@ def measure(root: Path, run_dir: Path) -> dict[str, Any]:
             gone_s: list[float] = []
 
             def serving() -> bool:
-                if not gone_s and _gone(old):
+                if not gone_s and pid_gone(old):
                     gone_s.append(time.monotonic() - started)
                 h = health()
                 return h.get("status") == "ok" and h["workers"][0]["pid"] != old
