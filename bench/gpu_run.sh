@@ -6,7 +6,8 @@
 #                                                  # call 2, carry [".whl/b"]: join, install, run
 #   bash bench/gpu_run.sh [PART...] [-- SERVE_ARGS]   # later calls on the same warm machine
 #
-# PART: info build ttft memory serve (python -m bench.gpu_run --help). Results go to $OUT.
+# PART: info build shape ttft faults split memory profile agents serve (python -m bench.gpu_run
+# --help). Results go to $OUT.
 # WHL (default .whl, relative to the current directory) is where the carried wheels are;
 # the code run is the checkout this script lives in.
 set -uo pipefail
