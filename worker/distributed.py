@@ -42,7 +42,7 @@ from common.protocol import ExitCode, SamplingParams
 from worker.engine import Engine, Output
 from worker.lockstep import (
     MAX_INPUTS_BYTES, Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, Op, StepInputs,
-    apply, decode_inputs, decode_shape, encode_inputs, encode_shape, with_seed,
+    apply, decode_inputs, decode_shape, dropped_alone, encode_inputs, encode_shape, with_seed,
 )
 from worker.prefix_cache import Hit
 from worker.shape import make_grammars
@@ -173,14 +173,19 @@ def follow(group: Any, engine: Engine, on_outputs: Callable[[list[Output]], None
     outputs are dropped (rank 0 publishes the same tokens) unless ``on_outputs`` wants
     them (a check that the ranks agree). Returns the steps run."""
     steps = 0
+    failed: set[str] = set()   # rows this rank's last step ended for their own failure
     while True:
         inputs = decode_inputs(broadcast(group, None))
         apply(inputs.ops, engine)
+        alone = dropped_alone(failed, inputs.ops)
+        if alone:  # rank 0 kept a row this rank dropped: the batches part here
+            raise LockstepError(f"rank {group.rank()} failed rows rank 0 did not: {sorted(alone)}")
         if inputs.stop:
             log.info("rank %d: rank 0 stopped the group after %d steps", group.rank(), steps)
             return steps
         if inputs.step:
             outputs = engine.step()
+            failed = {o.request_id for o in outputs if o.failure is not None}
             engine.store_pending()
             if on_outputs is not None:
                 on_outputs(outputs)

@@ -170,3 +170,12 @@ def apply(ops: Sequence[Op], engine: Target) -> None:
             engine.set_prefill_step(op.tokens)
         else:
             engine.cancel_all()
+
+
+def dropped_alone(failed: set[str], ops: Sequence[Op]) -> set[str]:
+    """The rows a follower's engine ended for their own failure (``worker/containment.py``)
+    that rank 0's next inputs do not end too: there the ranks' batches part, and the next
+    collective would wait for ever, so the follower must leave the group instead."""
+    if any(isinstance(op, CancelAll) for op in ops):
+        return set()
+    return failed - {op.request_id for op in ops if isinstance(op, Cancel)}

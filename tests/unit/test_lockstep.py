@@ -91,3 +91,14 @@ def test_apply_replays_in_rank_zeros_order() -> None:
     apply(decode_inputs(frame).ops, engine)
     assert engine.calls == [("chunk", 16), ("add", "a", [1, 2], 4, SAMPLED, [1]), ("cancel", "a"),
                             ("add", "b", [3], 1, SamplingParams(), None), ("cancel_all",)]
+
+
+def test_a_row_a_follower_dropped_alone_is_named_and_one_rank_0_dropped_too_is_not() -> None:
+    """A follower's own row failure (its grammar, its sampler) ends the row there; if rank 0
+    does not end it too in its next inputs, the ranks' batches part: the follower leaves."""
+    from worker.lockstep import dropped_alone
+
+    assert dropped_alone({"r1", "r2"}, [Cancel("r1"), Chunk(64)]) == {"r2"}
+    assert dropped_alone({"r1"}, [Cancel("r1")]) == set()
+    assert dropped_alone({"r1"}, [CancelAll()]) == set()
+    assert dropped_alone(set(), []) == set()
