@@ -20,14 +20,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from router.chat.tokencache import PrefixTokenCache
 from router.chat.tokenizer import RouterTokenizer
+from tests.unit.test_tokenizer import CHATML
 from worker.demo import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, _train_tokenizer
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog. user assistant system tool",
     "Le café est très bon. Ça va? Naïve façade, jalapeño, crème brûlée.",
