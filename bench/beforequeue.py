@@ -46,29 +46,22 @@ import httpx
 import psutil
 
 from bench import cli
-from bench.conversations import TOOLS
+from bench.conversations import TOOLS, string_tools
 from bench.metrics import percentile
 from bench.prompts import make_prompt
 
 log = logging.getLogger("bench.beforequeue")
 
 # Four more of what a coding agent declares, beside conversations.TOOLS: eight in all.
-MORE_TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {p: {"type": "string", "description": d}
-                                                        for p, d in params.items()},
-                       "required": list(params)}}}
-    for name, description, params in [
-        ("list_dir", "List the entries of a directory in the workspace.",
-         {"path": "The directory, relative to the workspace root."}),
-        ("write_file", "Create or overwrite a file with the given text.",
-         {"path": "The file.", "text": "Its whole new content."}),
-        ("web_fetch", "Fetch a URL and return its text.", {"url": "The address."}),
-        ("todo", "Record the plan as a list of steps and mark which are done.",
-         {"steps": "The steps, one a line.", "done": "Indices of the finished steps."}),
-    ]
-]
+MORE_TOOLS: list[dict[str, Any]] = string_tools([
+    ("list_dir", "List the entries of a directory in the workspace.",
+     {"path": "The directory, relative to the workspace root."}),
+    ("write_file", "Create or overwrite a file with the given text.",
+     {"path": "The file.", "text": "Its whole new content."}),
+    ("web_fetch", "Fetch a URL and return its text.", {"url": "The address."}),
+    ("todo", "Record the plan as a list of steps and mark which are done.",
+     {"steps": "The steps, one a line.", "done": "Indices of the finished steps."}),
+])
 AGENT_TOOLS = TOOLS + MORE_TOOLS
 _BEFORE_QUEUE = re.compile(r"\[(?P<id>[^\]]+)\] finished: .*HTTP before the queue (?P<ms>[\d.]+)ms")
 

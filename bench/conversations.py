@@ -17,24 +17,28 @@ from typing import Any
 from bench.metrics import percentile
 from bench.prompts import make_prompt
 
-# What a coding agent declares (shortened): they are rendered into the system turn.
-TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
+def string_tools(specs: list[tuple[str, str, dict[str, str]]]) -> list[dict[str, Any]]:
+    """OpenAI tool definitions from (name, description, {parameter: description}), every
+    parameter a required string."""
+    return [{"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": {p: {"type": "string", "description": d}
                                                         for p, d in params.items()},
                        "required": list(params)}}}
-    for name, description, params in [
-        ("read_file", "Read a file from the workspace and return its text.",
-         {"path": "The file's path, relative to the workspace root."}),
-        ("run_command", "Run a shell command in the workspace and return its output.",
-         {"command": "The command line.", "timeout_s": "Seconds before it is stopped."}),
-        ("search", "Search the workspace for a regular expression.",
-         {"pattern": "The expression.", "glob": "Which files to search."}),
-        ("edit_file", "Replace one exact string in a file with another.",
-         {"path": "The file.", "old": "The text to replace.", "new": "The replacement."}),
-    ]
-]
+        for name, description, params in specs]
+
+
+# What a coding agent declares (shortened): they are rendered into the system turn.
+TOOLS: list[dict[str, Any]] = string_tools([
+    ("read_file", "Read a file from the workspace and return its text.",
+     {"path": "The file's path, relative to the workspace root."}),
+    ("run_command", "Run a shell command in the workspace and return its output.",
+     {"command": "The command line.", "timeout_s": "Seconds before it is stopped."}),
+    ("search", "Search the workspace for a regular expression.",
+     {"pattern": "The expression.", "glob": "Which files to search."}),
+    ("edit_file", "Replace one exact string in a file with another.",
+     {"path": "The file.", "old": "The text to replace.", "new": "The replacement."}),
+])
 
 
 @dataclass(frozen=True, slots=True)
