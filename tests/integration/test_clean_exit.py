@@ -46,34 +46,40 @@ def test_a_restart_finishes_running_requests_and_sends_new_ones_to_the_next_work
         fresh_router: Callable[..., Router]) -> None:
     """While the old worker finishes what runs (its grace), nothing new is sent to it, and
     nothing it held ends as a memory error: new requests are served by the next worker."""
+    import json
     from concurrent.futures import ThreadPoolExecutor
 
-    router = fresh_router("--api-key", "k")
+    router = fresh_router("--api-key", "k", "--log-level", "debug", "--log-format", "json")
+    auth = {"Authorization": "Bearer k"}
     client = router.client(api_key="k")
-    old = router.worker()["pid"]
+    old = router.worker()["incarnation"]
 
     def stream() -> int:
         chunks = client.completions.create(model="m", prompt="long answer", max_tokens=300, temperature=0,
                                            stream=True, extra_body=NO_EOS)
         return sum(1 for c in chunks if c.choices and c.choices[0].text)
 
-    def short() -> int:
-        r = client.completions.create(model="m", prompt="after the restart", max_tokens=8, extra_body=NO_EOS)
+    def short(i: int) -> int:
+        r = client.completions.create(model="m", prompt="after the restart", max_tokens=8, extra_body=NO_EOS,
+                                      extra_headers={"X-Request-Id": f"after-restart-{i}"})
         return r.usage.completion_tokens if r.usage else 0
 
     with ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream) for _ in range(2)]
-        auth = {"Authorization": "Bearer k"}
         wait_until(lambda: router.http.get("/v1/memory", headers=auth).json()["workers"][0]["running"] == 2,
                    60, "two streams running", on_fail=router.log)
         assert router.http.post("/admin/workers/restart", headers=auth).status_code == 200
-        shorts = [pool.submit(short) for _ in range(4)]
+        shorts = [pool.submit(short, i) for i in range(4)]
         assert [f.result(timeout=120) for f in shorts] == [8] * 4
         for f in streams:  # finished within the old worker's grace, or answered as retryable
             try:
                 f.result(timeout=120)
             except Exception as exc:  # noqa: BLE001 - the message is what is checked
                 assert "memory" not in str(exc), exc
-    assert router.worker()["pid"] != old
-    log = router.log_path.read_text(errors="replace")
-    assert "killing worker" not in log, log[-4000:]
+    assert router.worker()["incarnation"] != old
+    records = [json.loads(line) for line in router.log_path.read_text(errors="replace").splitlines()
+               if line.startswith("{")]
+    dispatched = [r for r in records if str(r.get("request_id", "")).startswith("after-restart-")
+                  and r.get("msg", "").startswith("dispatched")]
+    assert len(dispatched) >= 4 and all(r.get("incarnation") not in (None, old) for r in dispatched), dispatched
+    assert not [r for r in records if "killing worker" in r.get("msg", "")]
