@@ -41,17 +41,23 @@ def _is_good(v: Any) -> bool:
 
 
 def _run_bench(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
-    out = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "bench", "serve", "--model", "demo",
-            "--requests", str(NUM_REQUESTS), "--repeats", "1", "--max-tokens", str(MAX_TOKENS),
-            "--concurrency", ",".join(CONCURRENCY), "--systems", ",".join(SYSTEMS),
-            "--mixed-long-tokens", str(MIXED_LONG_TOKENS), "--mixed-shorts", str(MIXED_SHORTS),
-            "--mixed-max-tokens", str(MIXED_MAX_TOKENS), "--paired", str(PAIRED),
+    return run_bench(cache_home, tmp_path, "serve", [
+        "--requests", str(NUM_REQUESTS), "--repeats", "1", "--max-tokens", str(MAX_TOKENS),
+        "--concurrency", ",".join(CONCURRENCY), "--systems", ",".join(SYSTEMS),
+        "--mixed-long-tokens", str(MIXED_LONG_TOKENS), "--mixed-shorts", str(MIXED_SHORTS),
+        "--mixed-max-tokens", str(MIXED_MAX_TOKENS), "--paired", str(PAIRED)])
+
+
+def run_bench(cache_home: Path, tmp_path: Path, mode: str, args: list[str]) -> dict[str, Any]:
+    """``python -m bench MODE`` on the demo model, bounded: on timeout SIGTERM first (the
+    bench stops the servers it started), then SIGKILL; its JSON document."""
+    out = tmp_path / f"{mode}.json"
+    argv = [sys.executable, "-m", "bench", mode, "--model", "demo", *args,
             "--startup-timeout", "60", "--workload-timeout", "60", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
     env.update(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    with open(tmp_path / "bench.log", "wb") as log:
+    with open(tmp_path / f"{mode}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -63,7 +69,7 @@ def _run_bench(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    output = (tmp_path / "bench.log").read_text(errors="replace")
+    output = (tmp_path / f"{mode}.log").read_text(errors="replace")
     assert proc.returncode == 0, f"bench exited with {proc.returncode}\n{output[-6000:]}"
     assert out.is_file(), f"bench wrote no JSON\n{output[-6000:]}"
     return json.loads(out.read_text())
@@ -144,29 +150,10 @@ AGENT_FIGURES = ("cold_ttft_p50_ms", "cold_ttft_p99_ms", "cached_ttft_p50_ms", "
 
 
 def _run_agents(cache_home: Path, tmp_path: Path) -> dict[str, Any]:
-    out = tmp_path / "agents.json"
-    argv = [sys.executable, "-m", "bench", "agents", "--model", "demo", "--sessions", ",".join(AGENT_SESSIONS),
-            "--turns", "2", "--tools", "0", "--system-tokens", "100", "--grow-to", "0", "--turn-tokens", "32",
-            "--max-tokens", "4", "--tool-time-s", "0.05", "--repeats", "1", "--startup-timeout", "60",
-            "--workload-timeout", "60", "--json", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_ROUTER_", "MLX_WORKER_"))}
-    env.update(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    with open(tmp_path / "agents.log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT)
-        try:
-            proc.wait(RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the bench stops its servers, then exits
-            try:
-                proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    output = (tmp_path / "agents.log").read_text(errors="replace")
-    assert proc.returncode == 0 and out.is_file(), f"bench exited with {proc.returncode}\n{output[-6000:]}"
-    return json.loads(out.read_text())
+    return run_bench(cache_home, tmp_path, "agents", [
+        "--sessions", ",".join(AGENT_SESSIONS), "--turns", "2", "--tools", "0", "--system-tokens", "100",
+        "--grow-to", "0", "--turn-tokens", "32", "--max-tokens", "4", "--tool-time-s", "0.05",
+        "--repeats", "1"])
 
 
 @pytest.mark.integration
