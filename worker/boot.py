@@ -10,20 +10,23 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from common import costmodel
 from common.config import WorkerConfig
 from common.curve import ClientKeys
 from common.protocol import Hello
 from common.version import __version__
+from worker.block_disk import BlockDisk
+from worker.block_store import BLOCK_TOKENS, BlockStore, blockable
 from worker.calibrate import cache_key, calibrate
 from worker.devices import make_probe
-from worker.disk_cache import from_options
+from worker.disk_cache import DiskTier, from_options
 from worker.distributed import LockstepEngine, lead_probe
 from worker.engine import Engine
 from worker.loader import LoadedModel
 from worker.memory import DeviceProbe, MemoryState, ModelShape, static_cost_model
-from worker.prefix_cache import DEFAULT_BUDGET_SHARE, DiskTier, PrefixCache
+from worker.prefix_cache import DEFAULT_BUDGET_SHARE, PrefixCache
 from worker.server import ServerOptions, WorkerServer
 from worker.shape import make_grammars, model_shape
 from worker.warmup import refill, warm_up
@@ -136,10 +139,13 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    cache = make_prefix_cache(cfg, model, disk_for=lambda max_pending_bytes: from_options(
+    layers = make_prompt_cache(loaded.model)
+    cache = make_prefix_cache(cfg, model, fingerprint=loaded.fingerprint, num_layers=len(layers),
+                              blocks=blockable(layers),
+                              disk_for=lambda max_pending_bytes, make: from_options(
         disk_bytes=cfg.prompt_cache_disk_bytes, fingerprint=loaded.fingerprint, env=env or {},
         root=Path(cfg.prompt_cache_dir).expanduser() if cfg.prompt_cache_dir else None,
-        max_pending_bytes=max_pending_bytes))
+        max_pending_bytes=max_pending_bytes, make=make))
     server = WorkerServer(opts, engine, memory, hello, cache=cache)
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.core.pacer.observe(tokens, seconds)
@@ -176,11 +182,14 @@ def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any)
     return LockstepEngine(group, model, eos_token_ids, **kwargs)
 
 
-def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
-                      disk_for: Callable[[int], DiskTier | None] = lambda _: None) -> PrefixCache | None:
-    """The RAM tier, over the disk tier ``disk_for(max_pending_bytes)`` makes, if any
-    (``worker/disk_cache.py``; ``--no-prompt-cache`` turns both off). Entries queued for
-    the disk writer keep their arrays until written: the gate counts them (``CacheLedger``)
+def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel, *, fingerprint: str = "",
+                      num_layers: int = 0, blocks: bool = False,
+                      disk_for: Callable[[int, type], Any] = lambda *_: None) -> PrefixCache | BlockStore | None:
+    """The RAM tier, over the disk tier ``disk_for(max_pending_bytes, its class)`` makes, if
+    any (``--no-prompt-cache`` turns both off): KV blocks shared across sequences
+    (``worker/block_store.py``) where the model's caches can be cut by tokens, else whole
+    sequences (``worker/prefix_cache.py``, ``worker/disk_cache.py``). What is queued for
+    the disk writer keeps its arrays until written: the gate counts it (``CacheLedger``)
     and the queue holds at most as many bytes as the RAM tier itself."""
     if cfg.no_prompt_cache:
         log.info("prompt cache off")
@@ -189,10 +198,15 @@ def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel,
     if max_bytes is None:
         share = DEFAULT_BUDGET_SHARE
         max_bytes = int(model.budget_bytes * share)
-    disk = disk_for(max_bytes) if max_bytes > 0 and cfg.prompt_cache_entries > 0 else None
-    log.info("prompt cache: up to %d MiB and %d entries in RAM%s", max_bytes >> 20,
+    on = max_bytes > 0 and cfg.prompt_cache_entries > 0
+    disk = disk_for(max_bytes, BlockDisk if blocks else DiskTier) if on else None
+    log.info("prompt cache (%s): up to %d MiB and %d sequences in RAM%s",
+             f"blocks of {BLOCK_TOKENS} tokens" if blocks else "whole sequences", max_bytes >> 20,
              cfg.prompt_cache_entries,
              f", up to {disk.max_bytes >> 20} MiB on disk in {disk.dir}" if disk is not None else ", no disk tier")
+    if blocks:
+        return BlockStore(fingerprint=fingerprint, num_layers=num_layers, max_bytes=max_bytes,
+                          max_entries=cfg.prompt_cache_entries, disk=disk, budget_share=share)
     return PrefixCache(max_bytes=max_bytes, max_entries=cfg.prompt_cache_entries, disk=disk,
                        budget_share=share)
 

@@ -12,14 +12,9 @@ token ids and checksum all agree. Anything else (a crash mid-write, a truncated 
 flipped file, another model's or another program's file) is removed and counted, and the
 caller is told "no entry" (None): never an exception, never a wrong cache.
 
-Threads: ``put`` only queues (bounded: a full queue drops and counts); the writer thread
-does the file work, and drops its reference to an entry's arrays as soon as they are on
-disk. It writes while the engine is idle (``engine_busy``, told by the worker's loop): a
-write reads the arrays back from the device, and on the H200 a write at a request's end
-put 19-23 ms on the next request's time to first token (0.9 ms without the writer), while
-writes made during decode steps slowed them. An entry waits at most ``max_defer_s`` (a
-worker that dies under steady traffic loses only that much), and queued entries keep
-their arrays, so when the gate needs that memory (``hurry``) the writer goes at once.
+Threads: ``put`` only queues; the writer (``worker/disk_writer.py``, shared with the block
+store's disk tier) writes while the engine is quiet and drops its reference to an entry's
+arrays as soon as they are on disk.
 
 Several workers of one model may share a directory: writes are atomic and a file another
 process removed is a miss (``missing``), but each sees the other's new files only after
@@ -30,13 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
-import queue
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,23 +36,15 @@ from typing import Any
 import numpy as np
 
 from worker import disk_format as fmt
+from worker.disk_writer import MAX_DEFER_S, MAX_PENDING, QUIET_S, WRITER_CLOSE_TIMEOUT_S, DiskWriter, Job
 
 log = logging.getLogger(__name__)
 
 # A longer entry trimmed to a prefix is read whole; below this share of it the read costs
 # more than prefilling the tokens it would save.
 MIN_USED_SHARE = 0.125
-MAX_PENDING = 8
-WRITER_CLOSE_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 16 << 30
 DEFAULT_DISK_SHARE = 0.25       # of the free space where the cache lives, when smaller
-# The writer waits for the engine to have been idle this long (the next request of a client
-# that sends one after another comes within a few ms of the last answer; an agent's next
-# turn, after its tools ran, much later), but never longer than MAX_DEFER_S after an entry
-# was queued. Under steady traffic the bounded queue then drops (and counts) what it cannot
-# hold, so the writes that compete with steps are at most MAX_PENDING per MAX_DEFER_S.
-QUIET_S = 0.2
-MAX_DEFER_S = 30.0
 # Entries are indexed by hashes of their first 16, 32, 64, ... ids (doubling), so a lookup
 # compares the prompt only with the entries that share its longest indexed head instead of
 # with every file's ids: that cost 0.86 ms per admission, on every request's path, with
@@ -88,17 +72,6 @@ class _Entry:
         return common
 
 
-@dataclass(slots=True)
-class _Job:
-    key: str
-    ids: np.ndarray
-    cache: list[Any] | None
-    nbytes: int
-    is_trimmable: bool
-    queued_at: float
-    seq: int = 0                # its place in the queue: hurry() covers every job up to one
-
-
 class DiskTier:
     """Per-sequence KV caches in safetensors files under ``root/<fingerprint>/``."""
 
@@ -106,10 +79,7 @@ class DiskTier:
                  max_pending: int = MAX_PENDING, max_pending_bytes: int | None = None,
                  quiet_s: float = QUIET_S, max_defer_s: float = MAX_DEFER_S) -> None:
         self.fingerprint = fingerprint
-        self.quiet_s = quiet_s
-        self.max_defer_s = max_defer_s
         self.max_bytes = max_bytes
-        self.max_pending_bytes = max_pending_bytes
         self.dir = Path(root) / fmt.dir_name(fingerprint)
         # 0700 both: the files hold users' prompts (parents=True would make the root 0755).
         Path(root).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -117,20 +87,12 @@ class DiskTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()   # least recently used first
         self._by_head: dict[bytes, set[str]] = {}   # a head's hash → the keys of entries that start so
-        self._pending: dict[str, int] = {}
-        self._counts = dict.fromkeys(("hits", "misses", "writes", "dropped", "too_large",
-                                      "write_errors", "corrupt", "missing", "evictions"), 0)
-        self._closed = False
-        # The engine's state as the worker's loop last said (idle since boot until told).
-        self._quiet = threading.Condition()
-        self._busy = False
-        self._idle_since = -math.inf
-        self._seq = 0                   # jobs queued so far
-        self._hurry_upto = 0            # jobs up to this one are written now (hurry)
+        self._counts = dict.fromkeys(("hits", "misses", "writes", "too_large", "write_errors",
+                                      "corrupt", "missing", "evictions"), 0)
         self._rebuild()
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self._writer = threading.Thread(target=self._run, name="prompt-cache-disk", daemon=True)
-        self._writer.start()
+        self._writer = DiskWriter(self._write, max_pending=max_pending,
+                                  max_pending_bytes=max_pending_bytes, quiet_s=quiet_s,
+                                  max_defer_s=max_defer_s)
 
     # -- the seam the RAM tier calls -------------------------------------------------------
 
@@ -142,7 +104,7 @@ class DiskTier:
         The writer reads the cache objects and their arrays later: the caller must not
         change them afterwards (sharing them read-only, as hits do, is fine).
         """
-        if self._closed or not tokens or self.max_bytes <= 0:
+        if self._writer.closed or not tokens or self.max_bytes <= 0:
             return None
         ids = fmt.as_ids(tokens)
         key = fmt.token_key(ids)
@@ -150,8 +112,8 @@ class DiskTier:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return None
-            if key in self._pending:
-                return key
+        if self._writer.is_pending(key):
+            return key
         try:
             nbytes = fmt.check_and_eval(cache, len(ids))
         except ValueError as exc:  # the caller's bug costs this entry, never the worker
@@ -159,50 +121,24 @@ class DiskTier:
             with self._lock:
                 self._counts["write_errors"] += 1
             return None
-        with self._lock:
-            if nbytes > self.max_bytes:
-                self._counts["too_large"] += 1
-                return None
-            pending_bytes = sum(self._pending.values())
-            if self.max_pending_bytes is not None and pending_bytes + nbytes > self.max_pending_bytes:
-                self._counts["dropped"] += 1
-                return None
-            self._pending[key] = nbytes
-        with self._quiet:
-            self._seq += 1
-            seq = self._seq
-        job = _Job(key, ids, list(cache), nbytes, fmt.is_trimmable(cache), time.monotonic(), seq)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
+        if nbytes > self.max_bytes:
             with self._lock:
-                self._pending.pop(key, None)
-                self._counts["dropped"] += 1
+                self._counts["too_large"] += 1
             return None
-        return key
+        payload = (ids, list(cache), fmt.is_trimmable(cache))
+        return key if self._writer.submit(key, nbytes, payload) else None
 
     def engine_busy(self, busy: bool) -> None:
         """The worker's loop says whether the engine has work (cheap when nothing changed)."""
-        if busy == self._busy:
-            return
-        with self._quiet:
-            self._busy = busy
-            if not busy:
-                self._idle_since = time.monotonic()
-            self._quiet.notify_all()
+        self._writer.engine_busy(busy)
 
     def hurry(self) -> None:
-        """Write what is queued now, busy or not: the memory its arrays hold is wanted.
-        (Jobs queued later wait for an idle engine again.)"""
-        with self._quiet:
-            if self._hurry_upto < self._seq:
-                self._hurry_upto = self._seq
-                self._quiet.notify_all()
+        """Write what is queued now, busy or not: the memory its arrays hold is wanted."""
+        self._writer.hurry()
 
     def pending_keys(self) -> frozenset[str]:
         """Keys whose arrays the writer still holds (queued or being written)."""
-        with self._lock:
-            return frozenset(self._pending)
+        return self._writer.pending_keys()
 
     def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, str] | None:
         """(usable token count, key) of the entry that covers most of ``tokens``.
@@ -268,66 +204,28 @@ class DiskTier:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._entries),
-                    "bytes": sum(e.file_bytes for e in self._entries.values()),
-                    "pending": len(self._pending), "pending_bytes": sum(self._pending.values()),
-                    **self._counts}
+            counts = dict(self._counts)
+            entries, used = len(self._entries), sum(e.file_bytes for e in self._entries.values())
+        counts["write_errors"] += self._writer.num_errors
+        return {"entries": entries, "bytes": used, "pending": len(self._writer.pending_keys()),
+                "pending_bytes": self._writer.pending_bytes(), "dropped": self._writer.num_dropped,
+                **counts}
 
     def close(self, timeout_s: float = WRITER_CLOSE_TIMEOUT_S) -> None:
         """Write what is queued, then stop the writer (bounded: a stuck disk is logged)."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._quiet:
-            self._quiet.notify_all()  # what is queued is written now, busy or not
-        try:
-            self._queue.put(None, timeout=timeout_s)
-        except queue.Full:
-            log.warning("prompt cache: writer still busy after %.0f s; not waiting", timeout_s)
-            return
-        self._writer.join(timeout_s)
-        if self._writer.is_alive():
-            log.warning("prompt cache: writer did not finish in %.0f s", timeout_s)
+        self._writer.close(timeout_s)
 
     # -- the writer thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._wait_for_quiet(job)
-                self._write(job)
-            except Exception:  # a disk or format error must not end the writer
-                log.warning("prompt cache: could not write an entry of %d tokens", len(job.ids),
-                            exc_info=True)
-                with self._lock:
-                    self._counts["write_errors"] += 1
-            finally:
-                job.cache = None
-                with self._lock:
-                    self._pending.pop(job.key, None)
-            del job  # no reference to the arrays outlives the write
-
-    def _wait_for_quiet(self, job: _Job) -> None:
-        """Until the engine has been idle ``quiet_s``, the job's deadline passes, the gate
-        hurries it or the tier closes."""
-        deadline = job.queued_at + self.max_defer_s
-        with self._quiet:
-            while not (self._closed or job.seq <= self._hurry_upto):
-                wake = deadline if self._busy else min(deadline, self._idle_since + self.quiet_s)
-                now = time.monotonic()
-                if now >= wake:
-                    return
-                self._quiet.wait(wake - now)
-
-    def _write(self, job: _Job) -> None:
-        self._make_room(job.nbytes + fmt.header_bytes_estimate(len(job.ids)))
-        assert job.cache is not None
-        path, file_bytes, data_bytes = fmt.write(self.dir, job.key, job.cache, ids=job.ids,
+    def _write(self, job: Job) -> None:
+        ids, cache, is_trimmable = job.payload
+        self._make_room(job.nbytes + fmt.header_bytes_estimate(len(ids)))
+        path, file_bytes, data_bytes = fmt.write(self.dir, job.key, cache, ids=ids,
                                                  fingerprint=self.fingerprint,
-                                                 is_trimmable=job.is_trimmable)
-        job.cache = None
+                                                 is_trimmable=is_trimmable)
+        job.payload = cache = None
         with self._lock:
-            self._add(_Entry(job.key, path, job.ids, file_bytes, data_bytes, job.is_trimmable))
+            self._add(_Entry(job.key, path, ids, file_bytes, data_bytes, is_trimmable))
             self._counts["writes"] += 1
         self._make_room(0)
 
@@ -420,10 +318,13 @@ def default_max_bytes(root: Path) -> int:
 
 
 def from_options(*, disk_bytes: int | None, fingerprint: str, env: Mapping[str, str],
-                 root: Path | None = None, max_pending_bytes: int | None = None) -> DiskTier | None:
+                 root: Path | None = None, max_pending_bytes: int | None = None,
+                 make: Callable[..., Any] | None = None) -> Any:
     """The disk tier a worker runs with: ``--prompt-cache-disk-bytes`` (None: the default,
-    0: off) under ``root`` (None: ``default_root(env)``). None when it is off or no cache
-    directory can be made (a read-only home costs warm restarts, not the worker)."""
+    0: off) under ``root`` (None: ``default_root(env)``), made by ``make(root, fingerprint,
+    max_bytes, max_pending_bytes=)`` (``DiskTier`` for whole entries, the block store's
+    ``BlockDisk``). None when it is off or no cache directory can be made (a read-only
+    home costs warm restarts, not the worker)."""
     if disk_bytes is not None and disk_bytes <= 0:
         return None
     try:
@@ -431,7 +332,7 @@ def from_options(*, disk_bytes: int | None, fingerprint: str, env: Mapping[str, 
         limit = disk_bytes if disk_bytes is not None else default_max_bytes(where)
         if limit <= 0:
             return None
-        return DiskTier(where, fingerprint, limit, max_pending_bytes=max_pending_bytes)
+        return (make or DiskTier)(where, fingerprint, limit, max_pending_bytes=max_pending_bytes)
     except (OSError, ValueError) as exc:
         log.warning("prompt cache: no disk tier (%s)", exc)
         return None

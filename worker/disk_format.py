@@ -26,7 +26,7 @@ import secrets
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,30 +120,57 @@ def header_bytes_estimate(num_tokens: int) -> int:
 def write(directory: Path, key: str, cache: list[Any], *, ids: np.ndarray, fingerprint: str,
           is_trimmable: bool) -> tuple[Path, int, int]:
     """Write atomically; returns (path, file bytes, tensor bytes)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a user may delete it any time
-    tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.safetensors"
     metadata = {"headroom_format": FORMAT_VERSION, "headroom_fingerprint": fingerprint,
                 "headroom_mlx_lm": mlx_lm.__version__, "headroom_trimmable": "1" if is_trimmable else "0",
-                "headroom_tokens": base64.b64encode(ids.astype("<i4").tobytes()).decode("ascii")}
+                "headroom_tokens": encode_ids(ids)}
+    return write_atomic(directory, key, lambda sink: save_prompt_cache(sink, cache, metadata))
+
+
+def write_atomic(directory: Path, key: str, save: Callable[[Any], None], *, prefix: str = "",
+                 meta_prefix: str = META_PREFIX) -> tuple[Path, int, int]:
+    """Write a safetensors file through ``save(file)`` to ``<prefix><key>-<crc>.safetensors``,
+    atomically; returns (path, file bytes, tensor bytes)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a user may delete it any time
+    tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.safetensors"
     try:
         # 0600: the ids are the user's prompt. Through a Python file object: MLX hands
         # over a tensor per write(), Python's write releases the GIL for the syscall, and
         # the checksum is taken on the way instead of by reading the file back.
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             sink = _ChecksumWriter(f)
-            save_prompt_cache(sink, cache, metadata)  # type: ignore[arg-type]
+            save(sink)
             f.flush()
             os.fsync(f.fileno())
-        _, data_bytes, file_bytes = parse_header(tmp)
+        _, data_bytes, file_bytes = parse_header(tmp, meta_prefix)
         if file_bytes != sink.num_bytes:
             raise OSError(f"wrote {sink.num_bytes} bytes, the file has {file_bytes}")
-        path = directory / f"{key}-{sink.crc:08x}.safetensors"
+        path = directory / f"{prefix}{key}-{sink.crc:08x}.safetensors"
         os.replace(tmp, path)
     except BaseException:
         remove(tmp)
         raise
     _fsync_dir(directory)
     return path, file_bytes, data_bytes
+
+
+def encode_ids(ids: np.ndarray) -> str:
+    return base64.b64encode(ids.astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_ids(text: str | None) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text or "", validate=True)
+        return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    except (ValueError, binascii.Error) as exc:
+        raise CorruptFile(f"bad token ids: {exc!r}") from None
+
+
+def check_checksum(path: Path, expected_crc: str) -> None:
+    """Raises CorruptFile unless the file's CRC-32 is ``expected_crc`` (8 hex digits, from
+    its name): checked before any parser reads a byte of it."""
+    crc, _ = _checksum(path, sync=False)
+    if int(expected_crc, 16) != crc:
+        raise CorruptFile(f"checksum {crc:08x} does not match the name")
 
 
 class _ChecksumWriter(io.RawIOBase):
@@ -170,9 +197,9 @@ def read(path: Path, *, fingerprint: str, ids: np.ndarray) -> list[Any]:
     """The per-layer caches in ``path``, evaluated. Raises CorruptFile, FileNotFoundError;
     an allocation failure (RuntimeError from MLX) is the caller's, like any other."""
     name = _NAME.fullmatch(path.name)
-    crc, _ = _checksum(path, sync=False)
-    if name is None or int(name[2], 16) != crc:
-        raise CorruptFile(f"checksum {crc:08x} does not match the name")
+    if name is None:
+        raise CorruptFile("not a cache file name")
+    check_checksum(path, name[2])
     try:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
@@ -192,9 +219,13 @@ def trim(cache: list[Any], num_tokens: int) -> None:
         trim_prompt_cache(cache, num_tokens)
 
 
-def scan(directory: Path, fingerprint: str) -> tuple[list[FileInfo], int]:
-    """Trusted files, least recently used first, and how many untrusted ones were removed."""
-    found: dict[str, FileInfo] = {}
+def scan(directory: Path, fingerprint: str,
+         inspect_one: Callable[[Path, str], Any] | None = None) -> tuple[list[Any], int]:
+    """Trusted files, least recently used first, and how many untrusted ones were removed.
+    ``inspect_one(path, fingerprint)`` reads one file's header (``inspect``, or the block
+    store's) into an info with ``key``, ``path`` and ``mtime_ns``, or raises CorruptFile."""
+    inspect_one = inspect_one or inspect
+    found: dict[str, Any] = {}
     num_bad = 0
     for path in directory.iterdir():
         if path.name.startswith(TMP_PREFIX):
@@ -205,7 +236,7 @@ def scan(directory: Path, fingerprint: str) -> tuple[list[FileInfo], int]:
         try:
             if not path.is_file():
                 continue  # not ours to judge
-            info = inspect(path, fingerprint)
+            info = inspect_one(path, fingerprint)
         except FileNotFoundError:
             continue
         except (CorruptFile, OSError) as exc:
@@ -232,7 +263,7 @@ def inspect(path: Path, fingerprint: str) -> FileInfo:
     return FileInfo(name[1], path, ids, file_bytes, data_bytes, trimmable, path.stat().st_mtime_ns)
 
 
-def parse_header(path: Path) -> tuple[dict[str, str], int, int]:
+def parse_header(path: Path, meta_prefix: str = META_PREFIX) -> tuple[dict[str, str], int, int]:
     """(our metadata, tensor bytes, file bytes) from a safetensors header, checked against
     the file's size, so a truncated or padded file is caught without reading its data."""
     with open(path, "rb") as f:
@@ -252,7 +283,7 @@ def parse_header(path: Path) -> tuple[dict[str, str], int, int]:
     end = max((stop for _, stop in spans), default=0)
     if 8 + length + end != size or any(not 0 <= a <= b for a, b in spans):
         raise CorruptFile(f"{size} bytes where its header says {8 + length + end}")
-    ours = {k[len(META_PREFIX):]: v for k, v in metadata.items() if k.startswith(META_PREFIX)}
+    ours = {k[len(meta_prefix):]: v for k, v in metadata.items() if k.startswith(meta_prefix)}
     return ours, sum(b - a for a, b in spans), size
 
 
@@ -264,11 +295,7 @@ def check_metadata(metadata: dict[str, str], fingerprint: str) -> tuple[np.ndarr
         raise CorruptFile(f"another model's (fingerprint {metadata.get('headroom_fingerprint')!r})")
     if metadata.get("headroom_mlx_lm") != mlx_lm.__version__:
         raise CorruptFile(f"written by mlx-lm {metadata.get('headroom_mlx_lm')!r}")
-    try:
-        raw = base64.b64decode(metadata["headroom_tokens"], validate=True)
-        ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
-    except (KeyError, ValueError, binascii.Error) as exc:
-        raise CorruptFile(f"bad token ids: {exc!r}") from None
+    ids = decode_ids(metadata.get("headroom_tokens"))
     if ids.size == 0 or metadata.get("headroom_trimmable") not in ("0", "1"):
         raise CorruptFile("incomplete metadata")
     return ids, metadata["headroom_trimmable"] == "1"

@@ -1,0 +1,277 @@
+"""Tests for worker/block_store.py, block_disk.py and block_format.py: the prefix cache as
+KV blocks, on real MLX arrays (a few tiny layers: no model).
+
+Each position's keys and values are a function of the token there and its position, so an
+assembled hit can be compared value for value with the sequence it came from.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from worker import block_format as bfmt
+from worker.block_disk import BlockDisk
+from worker.block_store import BLOCK_TOKENS, BlockStore, blockable
+
+LAYERS, HEADS, DIM = 2, 2, 4
+PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4  # keys and values, float32
+FP = "test-model"
+B = BLOCK_TOKENS
+
+
+def seq(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def row(tokens: list[int]) -> list[Any]:
+    """One row's per-layer KVCache for ``tokens``: position t holds (layer, token, t)."""
+    ids = mx.array(tokens, dtype=mx.float32)
+    pos = mx.arange(len(tokens), dtype=mx.float32)
+    out = []
+    for layer in range(LAYERS):
+        base = (ids * 10 + pos * 0.001 + layer)[None, None, :, None]
+        c = KVCache()
+        c.keys = mx.broadcast_to(base, (1, HEADS, len(tokens), DIM)) + 0
+        c.values = mx.broadcast_to(-base, (1, HEADS, len(tokens), DIM)) + 0
+        c.offset = len(tokens)
+        mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+def make(tmp: Path | None = None, max_bytes: int = 1 << 30, max_entries: int = 32,
+         disk_bytes: int = 1 << 30) -> BlockStore:
+    disk = BlockDisk(tmp, FP, disk_bytes) if tmp is not None else None
+    return BlockStore(fingerprint=FP, num_layers=LAYERS, max_bytes=max_bytes,
+                      max_entries=max_entries, disk=disk, clear=lambda: None)
+
+
+def put(store: BlockStore, tokens: list[int], keep: bool = False) -> bool:
+    return store.store(tokens, row(tokens), keep=keep)
+
+
+def same_as(hit_views: list[Any], tokens: list[int]) -> bool:
+    """The hit's caches hold exactly what a row of ``tokens`` holds."""
+    want = row(tokens)
+    n = len(tokens)
+    return all(v.offset == n and mx.array_equal(v.keys[..., :n, :], w.keys).item()
+               and mx.array_equal(v.values[..., :n, :], w.values).item() for v, w in zip(hit_views, want))
+
+
+def flush(store: BlockStore) -> None:
+    """Wait (bounded) until the disk writer has written what is queued."""
+    assert store.disk is not None
+    store.disk.hurry()
+    deadline = time.monotonic() + 30
+    while store.disk.pending_keys() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store.disk.pending_keys()
+    store.ledger()  # takes the finished writes in
+
+
+def test_only_plain_kv_caches_are_blocks() -> None:
+    assert blockable(row(seq(20)))
+    assert not blockable([])
+    assert not blockable([*row(seq(20)), object()])
+
+
+def test_a_hit_assembles_exactly_the_prefix_and_leaves_the_last_token() -> None:
+    store = make()
+    tokens = seq(600)  # two whole blocks and a partial one
+    assert put(store, tokens)
+    assert store.report()["blocks"]["ram"] == 3
+    assert store.ledger().resident_bytes == 600 * PER_TOKEN
+    hit = store.lookup(tokens + seq(50, 7000))
+    assert hit is not None and hit.tokens == 600 and same_as(hit.views, tokens)
+    store.release(hit)
+    exact = store.lookup(tokens)  # the whole prompt again: its last token is fed
+    assert exact is not None and exact.tokens == 599 and same_as(exact.views, tokens[:599])
+
+
+def test_a_prompt_that_diverges_inside_a_block_reuses_it_up_to_that_token() -> None:
+    store = make()
+    put(store, seq(600))
+    prompt = seq(300) + seq(100, 9000)
+    hit = store.lookup(prompt)
+    assert hit is not None and hit.tokens == 300 and hit.kind == "trimmed"
+    assert same_as(hit.views, seq(300))
+
+
+def test_conversations_sharing_a_system_prompt_hold_it_once() -> None:
+    store = make()
+    system = seq(2 * B + 40)
+    chats = [system + seq(300, 10_000 * (i + 1)) for i in range(6)]
+    put(store, chats[0])
+    one = store.ledger().resident_bytes
+    for chat in chats[1:]:
+        put(store, chat)
+    # Each later chat adds its own tokens and at most the shared block it diverges in.
+    added = store.ledger().resident_bytes - one
+    assert added <= 5 * (300 + 40) * PER_TOKEN
+    report = store.report()["blocks"]
+    assert report["shared"] == 2 and report["shared_bytes"] == 2 * B * PER_TOKEN
+    for chat in chats:
+        hit = store.lookup(chat + [1])
+        assert hit is not None and hit.tokens == len(chat) and same_as(hit.views, chat)
+        store.release(hit)
+
+
+def test_a_longer_sequence_supersedes_the_partial_block_it_extends() -> None:
+    store = make()
+    put(store, seq(B + 44))
+    put(store, seq(3 * B))
+    assert store.report()["blocks"]["ram"] == 3
+    assert store.ledger().resident_bytes == 3 * B * PER_TOKEN
+    assert store.evictions.get("superseded") == 1
+    assert not store.wants(B + 44, seq(B + 44), (B + 44) * PER_TOKEN)  # already held
+
+
+def test_a_shared_block_is_promised_once_and_never_evicted_while_held() -> None:
+    store = make()
+    put(store, seq(B) + seq(100, 5000))
+    put(store, seq(B) + seq(100, 6000))
+    a = store.lookup(seq(B) + seq(100, 5000) + [1])
+    b = store.lookup(seq(B) + seq(100, 6000) + [1])
+    assert a is not None and b is not None
+    ledger = store.ledger()
+    assert ledger.resident_bytes == (B + 200) * PER_TOKEN
+    assert ledger.promised_bytes == ledger.resident_bytes  # the shared block counted once
+    assert store.evict(10**9, "admission") == 0 and ledger.evictable_bytes == 0
+    store.release(a)
+    assert store.ledger().evictable_bytes == 100 * PER_TOKEN  # the shared block is still b's
+    store.release(b)
+    assert store.evict(10**9, "admission") == (B + 200) * PER_TOKEN
+    assert store.ledger().resident_bytes == 0 and store.lookup(seq(B) + seq(100, 5000)) is None
+
+
+def test_least_recently_used_leaves_go_first_and_parents_after_their_children() -> None:
+    store = make()
+    old, new = seq(B) + seq(100, 5000), seq(B) + seq(100, 6000)
+    put(store, old)
+    put(store, new)
+    assert store.evict(1, "admission") == 100 * PER_TOKEN  # old's own block, not the shared one
+    assert store.lookup(old + [1]).tokens == B  # type: ignore[union-attr]
+    hit = store.lookup(new + [1])
+    assert hit is not None and hit.tokens == len(new)
+
+
+def test_the_byte_bound_evicts_lru_leaves_and_skips_what_cannot_fit() -> None:
+    store = make(max_bytes=3 * B * PER_TOKEN)
+    put(store, seq(2 * B, 100))
+    put(store, seq(2 * B, 5000))  # needs one of the first sequence's blocks
+    assert store.ledger().resident_bytes <= 3 * B * PER_TOKEN
+    assert store.lookup(seq(2 * B, 5000) + [1]).tokens == 2 * B  # type: ignore[union-attr]
+    assert not put(store, seq(4 * B, 9000))  # larger than the bound: skipped, not forced
+    assert store.num_skipped == 1
+
+
+def test_the_entry_bound_counts_sequences() -> None:
+    store = make(max_entries=2)
+    for start in (100, 5000, 9000):
+        put(store, seq(B + 10, start))
+    assert store.report()["tiers"]["ram"]["entries"] == 2
+    assert store.lookup(seq(B + 10, 100) + [1]) is None
+
+
+def test_only_new_blocks_are_written_and_a_restart_finds_them(tmp_path: Path) -> None:
+    store = make(tmp_path)
+    turn1 = seq(2 * B + 30)
+    put(store, turn1, keep=True)
+    flush(store)
+    turn2 = turn1 + seq(B, 20_000)
+    put(store, turn2, keep=True)
+    flush(store)
+    written = store.report()["blocks"]
+    # turn 1: 2 blocks + a partial; turn 2: its 2 new blocks (the partial is superseded).
+    assert written["written"] == 5 and store.report()["tiers"]["disk"]["blocks"] == 4
+    store.close()
+
+    again = make(tmp_path)
+    assert again.report()["tiers"]["disk"]["blocks"] == 4 and again.ledger().resident_bytes == 0
+    hit = again.lookup(turn2 + [1])
+    assert hit is not None and hit.kind == "disk" and hit.tokens == len(turn2)
+    assert same_as(hit.views, turn2)
+    again.release(hit)
+    again.close()
+
+
+def test_a_damaged_block_is_removed_counted_and_never_loaded(tmp_path: Path) -> None:
+    store = make(tmp_path)
+    tokens = seq(3 * B)
+    put(store, tokens, keep=True)
+    flush(store)
+    store.close()
+    files = sorted((tmp_path / FP / "blocks").glob("b-*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 3
+    second = [p for p in files if bfmt.inspect(p, FP).ids[0] == tokens[B]][0]
+    data = bytearray(second.read_bytes())
+    data[-5] ^= 0xFF  # a flipped byte in its arrays: the header is intact
+    second.write_bytes(bytes(data))
+
+    again = make(tmp_path)
+    hit = again.lookup(tokens + [1])
+    assert hit is not None and hit.tokens == B and same_as(hit.views, tokens[:B])
+    report = again.report()["tiers"]["disk"]
+    assert report["corrupt"] == 1 and report["blocks"] == 1  # the block below it is unreachable
+    assert not second.exists()
+    again.close()
+
+
+def test_foreign_and_orphaned_files_are_removed_at_start(tmp_path: Path) -> None:
+    store = make(tmp_path)
+    tokens = seq(2 * B)
+    put(store, tokens, keep=True)
+    flush(store)
+    store.close()
+    blocks = tmp_path / FP / "blocks"
+    first = [p for p in blocks.glob("b-*") if bfmt.inspect(p, FP).ids[0] == tokens[0]][0]
+    first.unlink()  # its child cannot be reached any more
+    (blocks / "b-0123456789abcdef0123456789abcdef-00000000.safetensors").write_bytes(b"not ours")
+    again = make(tmp_path)
+    assert again.report()["tiers"]["disk"]["blocks"] == 0
+    assert again.report()["tiers"]["disk"]["corrupt"] == 2
+    assert list(blocks.glob("b-*")) == []
+    again.close()
+
+
+def test_the_disk_bound_removes_lru_leaf_files(tmp_path: Path) -> None:
+    probe = make(tmp_path / "probe")
+    put(probe, seq(B), keep=True)
+    flush(probe)
+    one_file = probe.report()["tiers"]["disk"]["bytes"]
+    probe.close()
+    store = make(tmp_path / "bounded", disk_bytes=int(2.5 * one_file))
+    for start in (100, 5000, 9000):
+        put(store, seq(B, start), keep=True)
+        flush(store)
+    disk = store.report()["tiers"]["disk"]
+    assert disk["blocks"] == 2 and disk["bytes"] <= 2.5 * one_file and disk["evictions"] == 1
+    store.close()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_restore_asks_for_room_first(tmp_path: Path, held: bool) -> None:
+    store = make(tmp_path)
+    tokens = seq(2 * B)
+    put(store, tokens, keep=True)
+    flush(store)
+    store.close()
+    again = make(tmp_path)
+    asked: list[tuple[int, int]] = []
+
+    def room(nbytes: int, tokens: int) -> bool:
+        asked.append((nbytes, tokens))
+        return held
+
+    hit = again.lookup(tokens + [1], room)
+    assert asked == [(2 * B * PER_TOKEN, 2 * B)]
+    assert (hit is not None) is held
+    assert again.ledger().resident_bytes == (2 * B * PER_TOKEN if held else 0)
+    again.close()
