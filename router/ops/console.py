@@ -138,6 +138,12 @@ def _worker_lines(w: dict[str, Any], history: list[dict[str, Any]], now: float, 
         lines.append("  prompt cache: " + ", ".join(
             f"{k} {human_bytes(v) if k.endswith('_bytes') else v}" for k, v in cache.items()
             if not isinstance(v, dict)))
+        blocks = cache.get("blocks")
+        if isinstance(blocks, dict):
+            lines.append(f"  blocks of {blocks.get('block_tokens')} tokens: RAM {blocks.get('ram')}, "
+                         f"disk {blocks.get('disk')}, shared {blocks.get('shared')} "
+                         f"({human_bytes(blocks.get('shared_bytes'))}), written {blocks.get('written')} "
+                         f"({human_bytes(blocks.get('written_bytes'))})")
     return lines + [""]
 
 

@@ -124,6 +124,29 @@ class PromptCacheMetrics:
                                for t in tiers).items():
             count.add_metric([tier], n)
         yield from (size, count)
+        yield from _block_metrics(caches, tiers)
+
+
+def _block_metrics(caches: list[dict[str, Any]], tiers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The block store's figures (workers whose cache keeps whole sequences have none)."""
+    blocks = [b for c in caches if isinstance(b := c.get("blocks"), dict)]
+    if not blocks:
+        return
+    held = GaugeMetricFamily("headroom_prompt_cache_blocks", "KV blocks held, by tier (a block in "
+                             "both tiers counts in each).", labels=["tier"])
+    for tier, n in _summed({k: v.get("blocks") for k, v in t.items() if isinstance(v, dict)}
+                           for t in tiers).items():
+        held.add_metric([tier], n)
+    yield held
+    yield GaugeMetricFamily("headroom_prompt_cache_shared_blocks",
+                            "KV blocks that more than one cached sequence holds (each held once).",
+                            value=sum(_int(b.get("shared")) or 0 for b in blocks))
+    yield GaugeMetricFamily("headroom_prompt_cache_shared_bytes", "Bytes of the shared KV blocks.",
+                            value=sum(_int(b.get("shared_bytes")) or 0 for b in blocks))
+    written = CounterMetricFamily("headroom_prompt_cache_written_bytes",
+                                  "Bytes of KV blocks written to the disk tier.", labels=["tier"])
+    written.add_metric(["disk"], sum(_int(b.get("written_bytes")) or 0 for b in blocks))
+    yield written
 
 
 def _by_tier(cache: dict[str, Any]) -> dict[str, dict[str, int]]:

@@ -50,6 +50,14 @@ def test_render_shows_the_facts_of_the_page() -> None:
     assert all(len(line) <= 120 for line in text.splitlines())
 
 
+def test_the_block_store_gets_a_line() -> None:
+    worker = body()["workers"][0]
+    worker["prompt_cache"]["blocks"] = {"block_tokens": 256, "ram": 12, "disk": 30, "shared": 4,
+                                        "shared_bytes": GiB, "written": 30, "written_bytes": 2 * GiB}
+    text = render(body(workers=[worker]), width=160)
+    assert "blocks of 256 tokens: RAM 12, disk 30, shared 4 (1.00 GiB), written 30 (2.00 GiB)" in text
+
+
 def test_several_models_get_a_line_each_and_one_model_none() -> None:
     models = [{"id": "chat", "state": "loaded", "pinned": True, "workers": 1, "queued": 2, "running": 1,
                "memory": {"weights_bytes": 4 * GiB, "used_bytes": 5 * GiB}},

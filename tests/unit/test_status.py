@@ -47,6 +47,24 @@ def test_prompt_cache_metrics_by_tier() -> None:
     assert samples[("headroom_prompt_cache_cached_tokens_total", ())] == 900
 
 
+def test_block_store_metrics() -> None:
+    from router.ops.status import PromptCacheMetrics
+
+    cache = {"enabled": True, "hits": 1, "misses": 0, "tiers": {
+        "ram": {"entries": 2, "bytes": 100, "blocks": 5}, "disk": {"entries": 1, "bytes": 90, "blocks": 4}},
+        "blocks": {"block_tokens": 256, "shared": 2, "shared_bytes": 40, "written": 4, "written_bytes": 90}}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in PromptCacheMetrics(lambda: [cache, cache]).collect() for s in family.samples}
+    assert samples[("headroom_prompt_cache_blocks", (("tier", "ram"),))] == 10
+    assert samples[("headroom_prompt_cache_blocks", (("tier", "disk"),))] == 8
+    assert samples[("headroom_prompt_cache_shared_blocks", ())] == 4
+    assert samples[("headroom_prompt_cache_shared_bytes", ())] == 80
+    assert samples[("headroom_prompt_cache_written_bytes_total", (("tier", "disk"),))] == 180
+    whole = {"enabled": True, "hits": 1, "tiers": {"ram": {"entries": 1, "bytes": 10}}}
+    names = {f.name for f in PromptCacheMetrics(lambda: [whole]).collect()}
+    assert "headroom_prompt_cache_blocks" not in names  # whole-sequence caches have no blocks
+
+
 @pytest.mark.parametrize("protocol", [ChannelMetrics, DispatchMetrics, SupervisorMetrics, StreamMetrics,
                                       CurveMetrics], ids=lambda p: p.__name__)
 def test_metrics_has_what_each_part_counts(protocol: type) -> None:
