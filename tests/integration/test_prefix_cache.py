@@ -143,6 +143,31 @@ def test_a_five_turn_conversation_hits_every_turn_with_cold_outputs(
     assert routers["cold"].memory()["workers"][0]["prompt_cache"] == {"enabled": False}
 
 
+def test_chats_sharing_a_long_system_prompt_hold_its_blocks_once_and_answer_as_cold_runs(
+        routers: dict[str, Router], router: Router) -> None:
+    system = SYSTEM.format(name="Epsilon") * 4  # several 256-token blocks, its end inside one
+    before = cache_report(router)
+    chats = []
+    for question in USERS[:3]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        hit, cold = side_by_side(router, routers["cold"], messages, **GREEDY)
+        assert text(hit) == text(cold), question
+        chats.append(hit)
+    first = chats[0]["usage"]["prompt_tokens"]
+    for later in chats[1:]:  # the system prompt's blocks, and the block it ends in up to its end
+        assert 2 * 256 < first - 64 <= cached(later) < later["usage"]["prompt_tokens"]
+    after = cache_report(router)
+    assert after["blocks"]["shared"] >= before["blocks"]["shared"] + 2
+    # Three copies of the system prompt without sharing; with it, one and each chat's own
+    # tokens (and at most the one block each one diverges in).
+    kv = router.memory()["workers"][0]["kv_bytes_per_token"]
+    one_chat = (first + GREEDY["max_tokens"]) * kv
+    assert after["ram_bytes"] - before["ram_bytes"] <= 2 * one_chat
+    metrics = router.http.get("/metrics").text
+    assert metric(metrics, "headroom_prompt_cache_shared_blocks") >= 2
+    assert metric(metrics, 'headroom_prompt_cache_blocks{tier="ram"}') >= 4
+
+
 def _written(router: Router, since: float) -> dict[str, Any] | None:
     """The disk tier's stats once a report made after ``since`` (a response received: its
     entries were queued before it was sent) shows nothing left in the writer's queue."""
