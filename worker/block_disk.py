@@ -39,11 +39,23 @@ class BlockDisk:
         Path(root).mkdir(parents=True, exist_ok=True, mode=0o700)
         for d in (Path(root) / fmt.dir_name(fingerprint), self.dir):
             d.mkdir(exist_ok=True, mode=0o700)
+        self._remove_whole_entries()
         self._lock = threading.Lock()
         self._done: list[tuple[str, BlockFile | None]] = []
         self._writer = DiskWriter(self._write, name="prompt-cache-blocks", max_pending=max_pending,
                                   max_pending_bytes=max_pending_bytes, quiet_s=quiet_s,
                                   max_defer_s=max_defer_s)
+
+    def _remove_whole_entries(self) -> None:
+        """Whole-sequence files an earlier version wrote for this model: nothing reads them
+        any more (this model's caches are kept as blocks), so they would hold the disk for
+        ever."""
+        stale = [p for p in self.dir.parent.glob("*.safetensors") if p.is_file()]
+        for path in stale:
+            fmt.remove(path)
+        if stale:
+            log.info("prompt cache: removed %d whole-sequence files of an earlier version from %s "
+                     "(this model's cache is kept in blocks now)", len(stale), self.dir.parent)
 
     def scan(self) -> tuple[list[BlockFile], int]:
         """What an earlier process left (least recently used first), and the number of

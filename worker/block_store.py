@@ -147,6 +147,7 @@ class BlockStore:
         self._blocks: dict[str, Block] = {}
         self._ram: dict[str, Block] = {}
         self._ram_bytes = 0
+        self._promised_bytes = 0            # RAM blocks with holders, each once
         self._disk_bytes = 0
         self._spilled: dict[str, int] = {}  # gone from RAM, arrays held by the writer
         self._clock = 0
@@ -172,10 +173,11 @@ class BlockStore:
     def ledger(self) -> CacheLedger:
         self._settle()
         writing = self._writing()
-        promised = sum(b.nbytes for b in self._ram.values() if b.holders)
-        unwritten = sum(b.nbytes for b in self._ram.values() if not b.holders and b.key in writing)
+        # Kept as running totals: the gate asks several times a step (what the writer holds
+        # is usually nothing: it writes while the engine is idle).
+        unwritten = sum(b.nbytes for k in writing if (b := self._ram.get(k)) is not None and not b.holders)
         pending = sum(n for k, n in self._spilled.items() if k in writing)
-        return CacheLedger(resident_bytes=self._ram_bytes, promised_bytes=promised,
+        return CacheLedger(resident_bytes=self._ram_bytes, promised_bytes=self._promised_bytes,
                            writing_bytes=unwritten, pending_bytes=pending)
 
     def follow_budget(self, budget_bytes: int) -> None:
@@ -223,6 +225,7 @@ class BlockStore:
         self._clock += 1
         for b in chain:
             b.holders += 1
+            self._promised_bytes += b.nbytes if b.holders == 1 else 0
             b.used_at = self._clock
         parts = [b.kv for b in chain[:-1]] + [_slice(chain[-1].kv, last_use)]  # type: ignore[misc]
         used = sum(b.nbytes for b in chain[:-1]) + chain[-1].nbytes * last_use // len(chain[-1].ids)
@@ -241,7 +244,9 @@ class BlockStore:
 
     def release(self, hit: Hit) -> None:
         for b in hit.blocks:
-            b.holders = max(0, b.holders - 1)
+            if b.holders > 0:
+                b.holders -= 1
+                self._promised_bytes -= b.nbytes if b.holders == 0 else 0
         hit.blocks = []
         hit.views = []
 

@@ -7,6 +7,7 @@ assembled hit can be compared value for value with the sequence it came from.
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,57 @@ def test_a_restore_asks_for_room_first(tmp_path: Path, held: bool) -> None:
     assert (hit is not None) is held
     assert again.ledger().resident_bytes == (2 * B * PER_TOKEN if held else 0)
     again.close()
+
+
+def test_whole_sequence_files_of_an_earlier_version_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / FP
+    folder.mkdir(parents=True)
+    (folder / ("0" * 32 + "-00000000.safetensors")).write_bytes(b"an entry")
+    store = make(tmp_path)
+    assert list(folder.glob("*.safetensors")) == [] and (folder / "blocks").is_dir()
+    store.close()
+
+
+def check_invariants(store: BlockStore) -> None:
+    """The ledger counts each RAM block once; what is in RAM is a tree from the root; a
+    held block's ancestors are held too."""
+    ram = [b for b in store._blocks.values() if b.kv is not None]
+    ledger = store.ledger()
+    assert ledger.resident_bytes == sum(b.nbytes for b in ram)
+    assert ledger.promised_bytes == sum(b.nbytes for b in ram if b.holders)
+    for b in ram:
+        assert b.parent is store.root or b.parent.kv is not None, "RAM is prefix-closed"
+        if b.holders:
+            assert all(a.holders for a in b.lineage()), "a hit holds its whole chain"
+    for b in store._blocks.values():
+        assert b.kv is not None or b.file is not None, "every block is in a tier"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_stores_hits_and_evictions_keep_the_ledger_exact(seed: int) -> None:
+    rng = random.Random(seed)
+    store = make(max_bytes=6 * B * PER_TOKEN, max_entries=4)
+    heads = [seq(rng.randrange(20, 2 * B), 100 * i) for i in range(3)]  # shared beginnings
+    held = []
+    for _ in range(40):
+        tokens = rng.choice(heads) + seq(rng.randrange(1, B + 50), rng.randrange(10**6))
+        op = rng.random()
+        if op < 0.45:
+            put(store, tokens)
+        elif op < 0.8:
+            hit = store.lookup(tokens)
+            if hit is not None:
+                assert same_as(hit.views, tokens[:hit.tokens])
+                held.append(hit)
+        elif held:
+            store.release(held.pop(rng.randrange(len(held))))
+        else:
+            store.evict(rng.randrange(1, 3 * B) * PER_TOKEN, "admission")
+        check_invariants(store)
+        assert store.ledger().resident_bytes <= store.max_bytes
+    for hit in held:
+        store.release(hit)
+    check_invariants(store)
+    assert store.ledger().promised_bytes == 0
+    store.evict(10**12, "admission")
+    assert store.ledger().resident_bytes == 0
