@@ -242,6 +242,22 @@ def test_foreign_and_orphaned_files_are_removed_at_start(tmp_path: Path) -> None
     again.close()
 
 
+def test_another_models_block_is_removed_and_counted(tmp_path: Path) -> None:
+    other = BlockStore(fingerprint="other-model", num_layers=LAYERS, max_bytes=1 << 30, max_entries=8,
+                       disk=BlockDisk(tmp_path, "other-model", 1 << 30), clear=lambda: None)
+    put(other, seq(B), keep=True)
+    flush(other)
+    other.close()
+    (theirs,) = (tmp_path / "other-model" / "blocks").glob("b-*")
+    ours = tmp_path / FP / "blocks"
+    ours.mkdir(parents=True)
+    (ours / theirs.name).write_bytes(theirs.read_bytes())  # a valid file, of another model
+    store = make(tmp_path)
+    assert store.report()["tiers"]["disk"]["corrupt"] == 1 and list(ours.glob("b-*")) == []
+    assert store.lookup(seq(B) + [1]) is None
+    store.close()
+
+
 def test_the_disk_bound_removes_lru_leaf_files(tmp_path: Path) -> None:
     probe = make(tmp_path / "probe")
     put(probe, seq(B), keep=True)
