@@ -28,6 +28,12 @@ __all__ = [
     "forward_transient_bytes",
     "growth_spike_bytes",
     "copy_spike_bytes",
+    "score_rows_per_pass",
+    "scoring_transient_bytes",
+    "scoring_step_bytes",
+    "scored_kv_start",
+    "scored_reach_tokens",
+    "score_chunk_that_fits",
     "request_cost_bytes",
     "batch_cost_bytes",
     "max_request_tokens",
@@ -44,6 +50,13 @@ KV_STEP_TOKENS = 256
 MIN_REQUEST_TOKENS = KV_STEP_TOKENS
 # Smallest prefill chunk we ever use; below this per-step overhead dominates.
 MIN_CHUNK_TOKENS = 32
+# A scoring chunk's logits become logprobs a few rows at a time (worker/scoring.py): each
+# pass's float32 work stays near this, whatever the chunk and the vocabulary.
+SCORE_PASS_BYTES = 64 << 20
+# That work per logit: a float32 copy of the logits (4), the top-N's partition ids (4) and
+# the rank's comparison (1), as measured on MLX for float32 and bfloat16 models; with a
+# margin for the allocator's rounding.
+SCORE_BYTES_PER_LOGIT = 12
 
 
 def roundup(tokens: int, step: int = KV_STEP_TOKENS) -> int:
@@ -99,6 +112,8 @@ class CostModel:
     context_length: int
     prefill_step_tokens: int
     prefill_batch_size: int = 8
+    # Logits per position: what scoring a prompt's tokens costs (0: unknown, not charged).
+    vocab_size: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,18 +160,72 @@ def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
     return int(m.copy_factor * batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token))
 
 
-def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int) -> int:
+def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int, *, scoring: bool = False) -> int:
     """Peak cost of one request on an idle worker: its cache, a growth, and the smallest
     prefill chunk the worker would use (an idle worker that is short of memory prefills a
-    long prompt in small chunks rather than refuse it)."""
+    long prompt in small chunks rather than refuse it).
+
+    ``scoring`` (prompt logprobs): that chunk is a scoring chunk, and the row is as long
+    as ``scored_reach_tokens`` says."""
     total = prompt_tokens + max_tokens
     chunk = min(max(prompt_tokens, 1), MIN_CHUNK_TOKENS, m.prefill_step_tokens)
-    return int(m.scale * (
-        batch_kv_bytes(1, total, m.kv_bytes_per_token)
-        + forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
-                                  prefill_rows=1, decode_rows=0, decode_context=0)
-        + growth_spike_bytes(m, 1, total)
-    ))
+    if scoring:
+        total = scored_reach_tokens(prompt_tokens, max_tokens)
+        forward = scoring_transient_bytes(m, chunk, prompt_tokens)
+    else:
+        forward = forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
+                                          prefill_rows=1, decode_rows=0, decode_context=0)
+    return int(m.scale * (batch_kv_bytes(1, total, m.kv_bytes_per_token) + forward
+                          + growth_spike_bytes(m, 1, total)))
+
+
+def score_rows_per_pass(vocab_size: int) -> int:
+    """Positions of a scoring chunk turned into logprobs at once (SCORE_PASS_BYTES)."""
+    return max(1, SCORE_PASS_BYTES // max(vocab_size * SCORE_BYTES_PER_LOGIT, 1))
+
+
+def scoring_transient_bytes(m: CostModel, chunk_tokens: int, context_tokens: int) -> int:
+    """One scoring chunk's working memory, unscaled: the forward of a prefill chunk of one
+    row, whose logits it keeps (the per-token term holds a logits row), and the float32
+    work of one pass over them (``score_rows_per_pass``): never ``chunk × vocabulary`` of
+    it, and never the prompt's whole matrix."""
+    if chunk_tokens <= 0:
+        return 0
+    rows = min(chunk_tokens, score_rows_per_pass(m.vocab_size))
+    return (forward_transient_bytes(m, chunk_tokens=chunk_tokens, context_tokens=context_tokens,
+                                    prefill_rows=1, decode_rows=0, decode_context=0)
+            + rows * m.vocab_size * SCORE_BYTES_PER_LOGIT)
+
+
+def scoring_step_bytes(m: CostModel, chunk_tokens: int, context_tokens: int) -> int:
+    """``scoring_transient_bytes`` at the model's scale: what a step that scores adds."""
+    return int(m.scale * scoring_transient_bytes(m, chunk_tokens, context_tokens))
+
+
+def scored_kv_start(prompt_tokens: int, max_tokens: int) -> int:
+    """Where a scored row's KV stands when it joins the batch: all its prompt but the last
+    token, scored in its own cache; 0 when it never joins (max_tokens 0) or has nothing
+    scored (a one-token prompt)."""
+    return prompt_tokens - 1 if max_tokens > 0 else 0
+
+
+def scored_reach_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    """The length a row whose prompt is scored is charged as until it joins the batch: its
+    reach from the scored prefix (``kv_reach_tokens``), and that prefix once more, for when
+    it joins, the scored cache and the batch's copy of it coexist."""
+    start = scored_kv_start(prompt_tokens, max_tokens)
+    return kv_reach_tokens(prompt_tokens + max_tokens, start) + start
+
+
+def score_chunk_that_fits(m: CostModel, context_tokens: int, limit_bytes: int, most: int) -> int:
+    """The largest scoring chunk (at most ``most``, at least MIN_CHUNK_TOKENS or ``most`` if
+    smaller) whose transient stays within ``limit_bytes``; that floor when none does."""
+    def fits(chunk: int) -> bool:
+        return scoring_step_bytes(m, chunk, context_tokens) <= limit_bytes
+
+    if fits(most):
+        return most
+    return _largest(min(MIN_CHUNK_TOKENS, most), most - 1, fits)
 
 
 def batch_cost_bytes(m: CostModel, rows: int, longest_tokens: int, chunk_tokens: int,
@@ -174,18 +243,20 @@ def batch_cost_bytes(m: CostModel, rows: int, longest_tokens: int, chunk_tokens:
     return int(m.scale * (batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token) + transient + spike))
 
 
-def never_fits(m: CostModel, prompt_tokens: int, max_tokens: int) -> bool:
+def never_fits(m: CostModel, prompt_tokens: int, max_tokens: int, *, scoring: bool = False) -> bool:
     """Even an idle worker could not hold it."""
-    return request_cost_bytes(m, prompt_tokens, max_tokens) > m.budget_bytes
+    return request_cost_bytes(m, prompt_tokens, max_tokens, scoring=scoring) > m.budget_bytes
 
 
-def max_request_tokens(m: CostModel) -> int:
-    """The longest prompt + max_tokens an idle worker can hold (≤ the context length).
+def max_request_tokens(m: CostModel, *, scoring: bool = False) -> int:
+    """The longest prompt + max_tokens an idle worker can hold (≤ the context length);
+    ``scoring``: with the prompt's logprobs.
 
     Cost grows monotonically with length, so a binary search over step multiples is exact
     to the step; we charge the whole total as prompt (the conservative split).
     """
-    return _largest(0, m.context_length, lambda n: request_cost_bytes(m, n - 1, 1) <= m.budget_bytes)
+    return _largest(0, m.context_length,
+                    lambda n: request_cost_bytes(m, n - 1, 1, scoring=scoring) <= m.budget_bytes)
 
 
 def max_new_tokens(m: CostModel, prompt_tokens: int, chunk_tokens: int | None = None) -> int:
@@ -242,14 +313,16 @@ def chunk_that_fits(m: CostModel, rows: int, longest_tokens: int, prefill_rows: 
 
 
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
-             prefill_rows: int, free_bytes: int) -> tuple[bool, int]:
+             prefill_rows: int, free_bytes: int, score_context: int = 0) -> tuple[bool, int]:
     """Can a request join the running batch now? Returns (fits, the batch's new worst case).
 
     The batch's worst case is charged in the real padded shape: every row as long as the
     longest prompt + max_tokens, and a prefill chunk as large as fits (the worker sizes its
     chunks to what is left, so a tight batch prefills in smaller chunks rather than wait).
     ``free_bytes`` is live headroom minus what is already promised to running rows but
-    not yet allocated; the increment must fit in it.
+    not yet allocated; the increment must fit in it. ``score_context``: the longest prompt
+    being scored (this request's or a running one's; 0: none), whose scoring chunk runs in
+    the same step as the batch's forward: charged beside it at the smallest chunk.
     """
     total = prompt_tokens + max_tokens
     old_worst = 0
@@ -260,8 +333,9 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     # The chunk's rows may include older, longer prompts: charge it at the longest context.
     context = longest if running_totals else prompt_tokens
     room = min(m.budget_bytes, old_worst + max(free_bytes, 0))
-    chunk = chunk_that_fits(m, rows, longest, prefill_rows + 1, context, room,
+    score = scoring_step_bytes(m, min(MIN_CHUNK_TOKENS, score_context), score_context)
+    chunk = chunk_that_fits(m, rows, longest, prefill_rows + 1, context, room - score,
                             min(max(prompt_tokens, 1), m.prefill_step_tokens))
-    new_worst = batch_cost_bytes(m, rows, longest, chunk, prefill_rows + 1, context)
+    new_worst = batch_cost_bytes(m, rows, longest, chunk, prefill_rows + 1, context) + score
     fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
     return fits, new_worst

@@ -115,6 +115,10 @@ class SamplingParams:
     ``[[token_id, bias], ...]`` (msgpack map keys must be strings). ``num_logprobs`` None
     sends no logprobs; 0 sends the sampled token's own, k > 0 also the k most likely.
     ``grammar`` is an llguidance grammar (JSON text) the row's tokens must follow.
+    ``prompt_logprobs`` None scores nothing of the prompt; k ≥ 0 sends, before any token,
+    each prompt token's own logprob (all but the first, which has none) with its rank and
+    the k most likely, from the model's own distribution; the row then takes no prefix-cache
+    reuse, and ``Generate.max_tokens`` may be 0 (the scores are all it asks for).
     """
 
     temperature: float = 0.0
@@ -132,6 +136,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_logprobs: int | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,25 +167,35 @@ class Cancel:
 @dataclass(frozen=True, slots=True)
 class TokenRow:
     """One request's output in one step. On the wire it is positional, an array
-    ``[request_id, token_ids, finish_reason, logprobs]`` without a trailing ``logprobs``
-    when the request asked for none (one such row per running request and step: names
-    would double the frame at 32 rows). ``logprobs``: one ``[logprob, top_ids,
-    top_logprobs]`` per new token."""
+    ``[request_id, token_ids, finish_reason, logprobs, prompt_logprobs]`` without the
+    trailing ones the request asked for none of (one such row per running request and
+    step: names would double the frame at 32 rows). ``logprobs``: one ``[logprob, top_ids,
+    top_logprobs]`` per new token. ``prompt_logprobs``: once, in a row of its own before the
+    first token, one ``[logprob, top_ids, top_logprobs, rank]`` per prompt token after the
+    first (``SamplingParams.prompt_logprobs``)."""
 
     positional: ClassVar[bool] = True
     request_id: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any]] | None = None
 
     def well_formed(self) -> bool:
         """What the field types cannot say: one logprobs entry per token, each
-        ``[logprob, top_ids, top_logprobs]`` with as many ids as logprobs."""
-        return self.logprobs is None or len(self.logprobs) == len(self.token_ids) and all(
-            len(entry) == 3 and _is_number(entry[0]) and type(entry[1]) is list
-            and type(entry[2]) is list and len(entry[1]) == len(entry[2])
-            and all(type(i) is int for i in entry[1]) and all(_is_number(x) for x in entry[2])
-            for entry in self.logprobs)
+        ``[logprob, top_ids, top_logprobs]`` with as many ids as logprobs; each prompt
+        logprobs entry the same and an integer rank."""
+        return (self.logprobs is None or len(self.logprobs) == len(self.token_ids)
+                and all(len(entry) == 3 and _is_scored(entry) for entry in self.logprobs)) and (
+            self.prompt_logprobs is None or all(len(entry) == 4 and _is_scored(entry) and type(entry[3]) is int
+                                                for entry in self.prompt_logprobs))
+
+
+def _is_scored(entry: list[Any]) -> bool:
+    """``[logprob, top_ids, top_logprobs, ...]`` with as many ids as logprobs."""
+    return (_is_number(entry[0]) and type(entry[1]) is list and type(entry[2]) is list
+            and len(entry[1]) == len(entry[2]) and all(type(i) is int for i in entry[1])
+            and all(_is_number(x) for x in entry[2]))
 
 
 def _is_number(value: Any) -> bool:

@@ -77,6 +77,7 @@ class Schedule:
     chunk_tokens: int = 0           # the prefill chunk the step may use
     prefill_rows: int = 0           # rows that chunk covers (mlx-lm's choice, mirrored)
     why: str = ""                   # what sized the chunk: pressure, paced, memory, ...
+    score_tokens: int = 0           # the scoring chunk of a prompt whose logprobs were asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,8 @@ class WorkerCore:
     def view(self) -> EngineView:
         e = self.engine
         return EngineView(running_totals=e.totals(), prefilling=e.num_prefilling(),
-                          prefill_rows=e.prefill_rows(), joining_bytes=e.joining_bytes())
+                          prefill_rows=e.prefill_rows(), joining_bytes=e.joining_bytes(),
+                          scoring_tokens=e.scoring_context())
 
     # -- input -----------------------------------------------------------------------
 
@@ -222,12 +224,14 @@ class WorkerCore:
         reject = reject or self._grammar_refusal(msg, compiled)
         # Taken (promised) before admission may evict: the entry this request reuses stays,
         # unless the request fits only without it (the gate then lets go of it: ``cold``).
+        # A prompt to score takes none: every position it scores must be run.
         n, view = len(msg.prompt_ids), self.view()
+        scoring = msg.sampling.prompt_logprobs is not None
         hit = self.cache.lookup(msg.prompt_ids, self.gate.restore_room(view, n, msg.max_tokens)) \
-            if reject is None and self.cache is not None else None
+            if reject is None and self.cache is not None and not scoring else None
         at.append(time.perf_counter())
         if reject is None:
-            decision = self.gate.can_admit(view, n, msg.max_tokens, reuse=hit)
+            decision = self.gate.can_admit(view, n, msg.max_tokens, reuse=hit, scoring=scoring)
             hit = None if decision.cold else hit
             at.append(time.perf_counter())
             if not decision.admit:
@@ -274,9 +278,13 @@ class WorkerCore:
     def _validate(self, msg: Generate) -> Reject | None:
         """What no worker could run, memory aside (the router checks these first)."""
         n, vocab = len(msg.prompt_ids), self.opts.vocab_size
-        if n == 0 or msg.max_tokens <= 0 or msg.request_id in self.engine.running \
+        scored = msg.sampling.prompt_logprobs
+        # max_tokens 0 asks for the prompt's scores alone
+        least = 1 if scored is None else 0
+        if n == 0 or msg.max_tokens < least or (scored or 0) < 0 or msg.request_id in self.engine.running \
                 or msg.request_id in self._compiling:
-            return self._reject(msg, RejectReason.BAD_REQUEST, "empty prompt, bad max_tokens or duplicate id")
+            return self._reject(msg, RejectReason.BAD_REQUEST,
+                                "empty prompt, bad max_tokens or prompt_logprobs, or duplicate id")
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
                 or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
             return self._reject(msg, RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
@@ -299,8 +307,9 @@ class WorkerCore:
             self.admit_compiled()
         if self.cache is not None:  # the disk tier writes while the engine is quiet
             self.cache.engine_busy(self.engine.has_work)
-        outputs = self._apply(self.schedule())
-        outputs += self._step_engine()
+        plan = self.schedule()
+        outputs = self._apply(plan)
+        outputs += self._step_engine(plan.score_tokens)
         self.stepped = self.timing.steps != steps
         if self.stepped:  # counted before the status it publishes, and its publishing after
             self.timing.busy_s += time.perf_counter() - started
@@ -340,8 +349,23 @@ class WorkerCore:
         3. Which rows the chunk covers is mlx-lm's rule (the prompt batch's rows, then the
            oldest waiting prompts while the prefill and decode batches have room; mirrored
            in ``Engine._next_prefill``); every decoding row decodes one token.
+        4. Then the oldest prompt being scored (prompt logprobs) gets a scoring chunk: paced
+           as a prefill chunk is, no more than memory holds beside the batch's step (the
+           gate), the smallest under pressure, and on whole KV steps unless it ends the prompt.
         """
         view = self.view()
+        plan = self._batch_schedule(view)
+        if not view.scoring_tokens:
+            return plan
+        left = self.engine.score_left()
+        paced = self.pacer.chunk(1, left)
+        if plan.why == "pressure" or self.gate.under_pressure:
+            paced = min(paced, costmodel.MIN_CHUNK_TOKENS)
+        chunk = self.gate.score_chunk(view, plan.chunk_tokens if plan.prefill_rows else 0, paced)
+        return replace(plan, score_tokens=chunk if chunk >= left else costmodel.kv_aligned_chunk(chunk))
+
+    def _batch_schedule(self, view: EngineView) -> Schedule:
+        """Steps 1 to 3 of ``schedule``: the generator's part."""
         budget = self.gate.fitted.budget_bytes
         action = self.gate.pressure(view, self.chunk_tokens, self.clock())
         if self.gate.fitted.budget_bytes != budget:  # the runtime's own memory was set aside
@@ -369,6 +393,7 @@ class WorkerCore:
         if plan.chunk_tokens != self.chunk_tokens or plan.why == "pressure" or plan.prefill_rows:
             self.chunk_tokens = plan.chunk_tokens
             self.engine.set_prefill_step(plan.chunk_tokens)
+        self.engine.score_step = plan.score_tokens
         for request_id in plan.evict:
             log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)
@@ -377,7 +402,7 @@ class WorkerCore:
             self._changed = True
         return [Output(rid, [], FinishReason.EVICTED) for rid in plan.evict]
 
-    def _step_engine(self) -> list[Output]:
+    def _step_engine(self, score_tokens: int = 0) -> list[Output]:
         if not self.engine.has_work or self.broken:
             if self.memory.reserved_bytes and not self.engine.has_work:
                 self.gate.rebase(self.view())  # nothing runs: nothing is promised
@@ -390,7 +415,7 @@ class WorkerCore:
             return []
         self.memory.probe.reset_peak()
         view = self.view()
-        predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous)
+        predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous, score_tokens)
         self._previous = view
         started = time.perf_counter()
         try:
@@ -497,7 +522,8 @@ class WorkerCore:
                 self._out.append(Reject(incarnation=self.opts.incarnation, request_id=o.request_id,
                                  reason=RejectReason.REQUEST_FAILED, message=o.failure or ""))
             return
-        rows = [TokenRow(o.request_id, o.token_ids, o.finish_reason, o.logprobs) for o in outputs]
+        rows = [TokenRow(o.request_id, o.token_ids, o.finish_reason, o.logprobs, o.prompt_logprobs)
+                for o in outputs]
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
                 admitted = self._admitted_at.pop(o.request_id, None) if o.cached_tokens is not None else None

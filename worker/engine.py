@@ -16,6 +16,12 @@ With a prefix cache (``worker/prefix_cache.py``), a request may start from a cac
 in segments cut at the chat's message boundaries, where the generator stops a chunk: each
 boundary's KV is extracted for the cache there, and a finished row's KV at its end
 (``extract_cache`` and the finished response's ``prompt_cache``, as mlx-lm's server does).
+
+A request that asks for its prompt's logprobs is scored first, outside the generator
+(``worker/scoring.py``): one chunk per step, beside the generator's own, in its own cache.
+Once scored it sends those logprobs and joins the generator the way a cache hit does (its
+scored KV as the cached prefix, only the last token left to feed), or ends if it asked for
+no tokens. It never starts from the prefix cache: every position it scores must be run.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from worker.containment import RowFailures
 from worker.grammar import GrammarCompiler
 from worker.prefix_cache import Hit, PrefixCache
 from worker.sampling import logprob_rows, make_processors, make_sampler
+from worker.scoring import PromptLogprob, PromptScorer
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,18 @@ FIRST_TOKEN_CALLS = 2
 # An output's finish reason when the row's own sampler or processors failed (``failure``
 # says why); the core answers it as the request's own error, never the worker's.
 FAILED = "failed"
+# The uid of a row that is scoring its prompt: it is not in the generator yet.
+NOT_IN_GENERATOR = -1
+
+
+@dataclass(frozen=True, slots=True)
+class RowArgs:
+    """What the generator takes for a row besides its prompt (kept by a row that joins it
+    only once its prompt is scored)."""
+
+    sampler: Any
+    processors: list[Any]
+    stops: StopSequences
 
 
 @dataclass(slots=True)
@@ -61,6 +80,9 @@ class Running:
     hit: Hit | None = None      # the cache entry it holds until it joins the batch
     prompt_ids: list[int] | None = None     # kept while boundaries are left to store
     boundaries: list[int] | None = None     # message ends still to store, ascending
+    scorer: PromptScorer | None = None      # its prompt's logprobs, until the row joins the batch
+    joins: RowArgs | None = None            # how it joins the generator once scored
+    scored: bool = False                    # its KV start (``cached_tokens``) was scored, not reused
 
     @property
     def prompt_left(self) -> int:
@@ -83,6 +105,7 @@ class Output:
     logprobs: list[list[Any]] | None = None  # [logprob, top_ids, top_logprobs] per token
     cached_tokens: int | None = None         # set on a request's first output
     failure: str | None = None               # the row's own failure ended it (its cause)
+    prompt_logprobs: list[PromptLogprob] | None = None  # the prompt's, once scored
 
 
 class Engine:
@@ -107,6 +130,8 @@ class Engine:
         self.num_steps = 0
         self.last_prefilled_tokens = 0      # prompt tokens the last step processed
         self.last_chained_s = 0.0           # of the last step, spent in calls for first tokens
+        self.score_step = 0                 # tokens of the next scoring chunk (the core's choice)
+        self.last_scored_tokens = 0         # prompt tokens the last step scored
         self.cache: PrefixCache | None = None
         self.kv_bytes_per_token = 0         # to charge an extraction before it is made
         # A cache that cannot trim (recurrent state) cannot serve an exact re-send from the
@@ -133,7 +158,18 @@ class Engine:
             sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
             boundaries: list[int] | None = None) -> None:
         """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
-        ``boundaries`` (message ends) cut the rest into segments whose KV is stored."""
+        ``boundaries`` (message ends) cut the rest into segments whose KV is stored. One
+        that asks for prompt logprobs is scored first (``_score``)."""
+        row = RowArgs(self.failures.sampler(request_id, make_sampler(sampling)),
+                      self.failures.processors(request_id, make_processors(sampling, self.grammars)),
+                      self._no_eos if sampling.ignore_eos else self._eos)
+        if sampling.prompt_logprobs is not None:
+            scorer = PromptScorer(self.generator.model, prompt_ids, sampling.prompt_logprobs)
+            self.running[request_id] = Running(
+                request_id, NOT_IN_GENERATOR, len(prompt_ids), max_tokens, sampling.num_logprobs,
+                cached_tokens=costmodel.scored_kv_start(len(prompt_ids), max_tokens), scorer=scorer,
+                joins=row, scored=True)
+            return
         cached = hit.tokens if hit is not None else 0
         cuts = self._cuts(cached, len(prompt_ids), boundaries or []) if self.cache else []
         edges = [cached, *cuts, len(prompt_ids)]
@@ -142,9 +178,7 @@ class Engine:
             max_tokens=[max_tokens],
             caches=[hit.views] if hit is not None else None,
             all_tokens=[prompt_ids[:cached]] if hit is not None else None,
-            samplers=[self.failures.sampler(request_id, make_sampler(sampling))],
-            logits_processors=[self.failures.processors(request_id, make_processors(sampling, self.grammars))],
-            stop_sequences=[self._no_eos if sampling.ignore_eos else self._eos],
+            samplers=[row.sampler], logits_processors=[row.processors], stop_sequences=[row.stops],
         )
         run = Running(request_id, uid, len(prompt_ids), max_tokens, sampling.num_logprobs,
                       cached_tokens=cached, hit=hit, prompt_ids=prompt_ids if cuts else None,
@@ -174,8 +208,9 @@ class Engine:
         self.failures.forget(request_id)
         if run is None:
             return False
-        del self._by_uid[run.uid]
-        self.generator.remove([run.uid])
+        if run.uid != NOT_IN_GENERATOR:
+            del self._by_uid[run.uid]
+            self.generator.remove([run.uid])
         self._joined(run)
         return True
 
@@ -185,9 +220,11 @@ class Engine:
         if run.hit is not None and self.cache is not None:
             self.cache.release(run.hit)
         run.hit = None
+        run.scorer = None
 
     def joining_bytes(self) -> int:
-        """Cached entries whose rows have not joined the batch: their copy is still to come."""
+        """Cached entries whose rows have not joined the batch: their copy is still to come
+        (a scored row's copy is in its length: ``totals``)."""
         return sum(r.hit.nbytes for r in self.running.values() if r.hit is not None)
 
     def cancel_all(self) -> list[str]:
@@ -217,8 +254,9 @@ class Engine:
                 prompt_responses, responses = self.generator.next()
                 self._progress(prompt_responses)
             self.last_chained_s = time.perf_counter() - chained_at
+        scored = self._score()
         self.num_steps += 1
-        self.last_prefilled_tokens = stats.prompt_tokens
+        self.last_prefilled_tokens = stats.prompt_tokens + self.last_scored_tokens
         failed = self.failures.take()
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
@@ -247,7 +285,7 @@ class Engine:
                 wanted.append((r.logprobs, r.token, run.num_logprobs))
             outputs.append(Output(run.request_id, ids, r.finish_reason,
                                   [] if run.num_logprobs is not None else None,
-                                  run.cached_tokens if run.generated == 1 else None))
+                                  (0 if run.scored else run.cached_tokens) if run.generated == 1 else None))
         for out, row in zip((o for o in outputs if o.logprobs is not None and o.token_ids),
                             logprob_rows(wanted)):
             out.logprobs.append(row)
@@ -255,7 +293,57 @@ class Engine:
             if request_id in self.running:
                 self.cancel(request_id)  # its row leaves the batch; the others go on
                 outputs.append(Output(request_id, [], FAILED, failure=cause))
-        return outputs
+        return outputs + scored
+
+    # -- prompt logprobs ---------------------------------------------------------------
+
+    def _scoring(self) -> Running | None:
+        """The row the next scoring chunk is for: the oldest still scoring."""
+        return next((r for r in self.running.values()
+                     if r.scorer is not None and r.uid == NOT_IN_GENERATOR), None)
+
+    def scoring_context(self) -> int:
+        """The longest prompt still being scored (0: none): the most context its chunks see."""
+        return max((r.prompt_tokens for r in self.running.values()
+                    if r.scorer is not None and r.uid == NOT_IN_GENERATOR), default=0)
+
+    def score_left(self) -> int:
+        """Positions that row has left to score."""
+        run = self._scoring()
+        return run.scorer.left if run is not None and run.scorer is not None else 0
+
+    def _score(self) -> list[Output]:
+        """One chunk (``score_step`` tokens) of the oldest prompt being scored, after the
+        generator's step. A prompt scored to its last token sends its logprobs and ends
+        (max_tokens 0) or joins the generator from its scored KV in the next step."""
+        self.last_scored_tokens = 0
+        run = self._scoring()
+        if run is None or run.scorer is None:
+            return []
+        scorer = run.scorer
+        with mx.stream(self.generator.stream):  # the generator's: this KV joins its batch
+            self.last_scored_tokens = scorer.step(self.score_step)
+        if scorer.left:
+            return []
+        # Its prompt's scores go out now; its KV joins in the next step, charged until it has.
+        if run.max_tokens == 0:
+            del self.running[run.request_id]
+            run.scorer = None
+            return [Output(run.request_id, [], "length", cached_tokens=0, prompt_logprobs=scorer.rows)]
+        self._join(run, scorer)
+        return [Output(run.request_id, [], None, prompt_logprobs=scorer.rows)]
+
+    def _join(self, run: Running, scorer: PromptScorer) -> None:
+        """Insert a scored row as a cache hit is inserted: the scored KV and its tokens (for
+        the processors' context), with only the prompt's last token left to feed."""
+        args, done, prompt = run.joins, scorer.done, scorer.prompt
+        assert args is not None
+        (uid,) = self.generator.insert_segments(
+            [[prompt[done:]]], max_tokens=[run.max_tokens],
+            caches=[scorer.cache] if done else None, all_tokens=[prompt[:done]] if done else None,
+            samplers=[args.sampler], logits_processors=[args.processors], stop_sequences=[args.stops])
+        run.uid, run.joins = uid, None
+        self._by_uid[uid] = run
 
     def _progress(self, prompt_responses: list[Any]) -> None:
         for p in prompt_responses:
@@ -271,7 +359,8 @@ class Engine:
         """Only first tokens are coming: rows are running, none decodes yet (a generator
         call that decodes answers), no chunk is left to prefill, and no row stands at a
         message boundary whose KV is to be stored before it moves on."""
-        return bool(self.running) and not self._at_boundaries and not self._next_prefill()
+        return (any(r.uid != NOT_IN_GENERATOR for r in self.running.values())
+                and not self._at_boundaries and not self._next_prefill())
 
     # -- the prefix cache's stores ---------------------------------------------------
 
@@ -328,11 +417,12 @@ class Engine:
         make room already (one that stops on EOS cannot be foreseen).
         """
         g = self.generator
-        decoding = sum(1 for r in self.running.values() if r.decoding and r.generated + 1 < r.max_tokens)
+        rows = [r for r in self.running.values() if r.uid != NOT_IN_GENERATOR]
+        decoding = sum(1 for r in rows if r.decoding and r.generated + 1 < r.max_tokens)
         if decoding >= g.completion_batch_size:
             return []
-        started = [r for r in self.running.values() if not r.decoding and r.prefilled > 0]
-        waiting = [r for r in self.running.values() if not r.decoding and r.prefilled == 0]
+        started = [r for r in rows if not r.decoding and r.prefilled > 0]
+        waiting = [r for r in rows if not r.decoding and r.prefilled == 0]
         room = max(0, min(g.prefill_batch_size - len(started), g.completion_batch_size - decoding))
         return [r for r in started + waiting[:room] if r.prompt_left > 0]
 
@@ -350,6 +440,7 @@ class Engine:
 
     def totals(self) -> list[int]:
         """How long each running request's KV can get (prompt + max_tokens, more for a row
-        that started from a cached prefix off the cache's step), oldest first: the padded
-        shape."""
-        return [costmodel.kv_reach_tokens(r.total_tokens, r.cached_tokens) for r in self.running.values()]
+        that started from a cached prefix off the cache's step, and a scored row with its
+        scored KV until it joins), oldest first: the padded shape."""
+        return [costmodel.scored_reach_tokens(r.prompt_tokens, r.max_tokens) if r.scorer is not None
+                else costmodel.kv_reach_tokens(r.total_tokens, r.cached_tokens) for r in self.running.values()]

@@ -147,6 +147,7 @@ class EngineView:
     prefilling: int = 0             # rows whose prompt is not fully processed yet
     prefill_rows: int = 0           # rows the next step's prefill chunk covers
     joining_bytes: int = 0          # cache hits whose rows join the batch next step: their copy
+    scoring_tokens: int = 0         # the longest prompt being scored (prompt logprobs); 0: none
 
     @property
     def rows(self) -> int:
@@ -284,10 +285,12 @@ class MemoryGate:
     # -- admission: ask, then commit -------------------------------------------------
 
     def can_admit(self, view: EngineView, prompt_tokens: int, max_tokens: int,
-                  reuse: Any = None) -> Decision:
+                  reuse: Any = None, scoring: bool = False) -> Decision:
         """May this request join now? ``reuse``: the prefix-cache hit handed to it (held
-        for it, so not evictable). Only memory the worker cannot give back (running rows,
-        promises, another process) makes it wait.
+        for it, so not evictable). ``scoring``: its prompt's logprobs are asked for (its
+        scoring chunks, and the copy of its scored KV into the batch, are charged). Only
+        memory the worker cannot give back (running rows, promises, another process) makes
+        it wait.
 
         Not a pure question: before it answers "not now" it gives back what the worker
         holds only to save prefill, and so it may change
@@ -307,19 +310,23 @@ class MemoryGate:
             return Decision(RejectReason.NOT_NOW, "memory taken by another process")
         if not self.admission:
             return Decision(None)
-        if costmodel.never_fits(m, prompt_tokens, max_tokens):
+        if costmodel.never_fits(m, prompt_tokens, max_tokens, scoring=scoring):
             return Decision(RejectReason.NEVER_FITS, "does not fit even on an idle worker",
-                            costmodel.request_cost_bytes(m, prompt_tokens, max_tokens))
+                            costmodel.request_cost_bytes(m, prompt_tokens, max_tokens, scoring=scoring))
         # A row that starts from a reused prefix can hold up to a KV step more than its
-        # length (costmodel.kv_reach_tokens): charged as that much more output.
+        # length (costmodel.kv_reach_tokens): charged as that much more output; a scored
+        # one as long as its scoring makes it (costmodel.scored_reach_tokens).
         reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens,
                                                   reuse.tokens if reuse is not None else 0)
-        fits, worst = self._fits(view, prompt_tokens, reach)
+        if scoring:
+            reach = costmodel.scored_reach_tokens(prompt_tokens, max_tokens) - prompt_tokens
+        score = max(view.scoring_tokens, prompt_tokens if scoring else 0)
+        fits, worst = self._fits(view, prompt_tokens, reach, score)
         last = self.memory.last
         if not fits and last is not None and last.cache_bytes > 0:
             # The buffer cache is reclaimable, not lost: clear it before saying "no room".
             self.memory.probe.clear_cache()
-            fits, worst = self._fits(view, prompt_tokens, reach)
+            fits, worst = self._fits(view, prompt_tokens, reach, score)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
         cold = False
         while not fits and (worst <= m.budget_bytes or reuse is not None):
@@ -332,13 +339,13 @@ class MemoryGate:
                 # overhang (kv_reach_tokens) alone passes. It lets go and runs cold.
                 self.cache.release(reuse)
                 reuse, cold, reach = None, True, max_tokens
-                fits, worst = self._fits(view, prompt_tokens, reach)
+                fits, worst = self._fits(view, prompt_tokens, reach, score)
                 continue
             # Cached prompts no request holds go before any request waits for memory (only
             # when giving them back is enough: otherwise the request waits for running rows).
             if not 0 < shortfall <= evictable or self.cache.evict(shortfall, "admission") <= 0:
                 break
-            fits, worst = self._fits(view, prompt_tokens, reach)
+            fits, worst = self._fits(view, prompt_tokens, reach, score)
         if not fits:
             self._hurry_writer()
             return Decision(RejectReason.NOT_NOW, "no room now", worst, cold=cold)
@@ -396,9 +403,10 @@ class MemoryGate:
                                           - ledger.held_bytes)
             self._follow_device()
 
-    def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> tuple[bool, int]:
+    def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int,
+              score_context: int = 0) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
-                                  view.prefilling, self.free_bytes())
+                                  view.prefilling, self.free_bytes(), score_context)
 
     def allocated_bytes(self) -> int:
         """What running rows already hold above weights, baseline and the prefix cache."""
@@ -432,13 +440,16 @@ class MemoryGate:
     def chunk(self, view: EngineView, paced: int) -> int:
         """The next prefill chunk: the paced size, or the largest whose step stays within
         the budget beside the batch's cache (the chunk's transient replaces the one that
-        admission assumed; it is not charged twice)."""
+        admission assumed; it is not charged twice) and the smallest scoring chunk, which
+        runs in the same step when a prompt is being scored (``score_chunk``)."""
         if not self.admission or not view.rows:
             return paced
         m, rows = self.model, max(view.prefill_rows, 1)
+        scoring = costmodel.scoring_step_bytes(m, min(costmodel.MIN_CHUNK_TOKENS, view.scoring_tokens),
+                                               view.scoring_tokens)
 
-        def room() -> int:  # the budget beside the cache's entries and this step's join copies
-            return m.budget_bytes - self.cache.ledger().held_bytes - view.joining_bytes
+        def room() -> int:  # the budget beside the cache's entries, this step's join copies, a scoring chunk
+            return m.budget_bytes - self.cache.ledger().held_bytes - view.joining_bytes - scoring
 
         chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
         if chunk < paced:
@@ -449,6 +460,18 @@ class MemoryGate:
             if self.cache.evict(max(need, 1), "chunk") > 0:
                 chunk = costmodel.chunk_that_fits(m, view.rows, view.longest, rows, view.longest, room(), paced)
         return chunk
+
+    def score_chunk(self, view: EngineView, chunk_tokens: int, paced: int) -> int:
+        """The next scoring chunk (prompt logprobs): the paced size, or the largest whose
+        forward and logprobs fit the budget beside the batch's step (its cache, its
+        prefill chunk of ``chunk_tokens``, the prefix cache's entries, the join copies)."""
+        if not self.admission or not view.scoring_tokens:
+            return paced
+        m = self.model
+        batch = costmodel.batch_cost_bytes(m, view.rows, view.longest, chunk_tokens, view.prefill_rows,
+                                           view.longest)
+        room = m.budget_bytes - self.cache.ledger().held_bytes - view.joining_bytes - batch
+        return costmodel.score_chunk_that_fits(m, view.scoring_tokens, room, paced)
 
     def pressure(self, view: EngineView, chunk_tokens: int, now: float) -> PressureAction:
         """Memory shrank under running work: stop admitting, shrink the chunk, then evict."""
@@ -564,11 +587,13 @@ class MemoryGate:
                                reserved_bytes=mem.reserved_bytes, allocated_bytes=allocated,
                                running_totals=view.running_totals, chunk_tokens=chunk_tokens), allocated
 
-    def predict_step(self, view: EngineView, chunk_tokens: int, previous: EngineView | None) -> int:
+    def predict_step(self, view: EngineView, chunk_tokens: int, previous: EngineView | None,
+                     score_tokens: int = 0) -> int:
         """The fitted model's bound for this step's peak above weights and baseline.
 
         Rows that finished last step are still being copied out of the batch cache in this
-        one (mlx-lm filters lazily), so the previous step's batch is charged too.
+        one (mlx-lm filters lazily), so the previous step's batch is charged too; a scoring
+        chunk of ``score_tokens`` runs in the same step.
         """
         m = self.fitted
         self._resident_at_step = self.cache.ledger().held_bytes
@@ -577,7 +602,8 @@ class MemoryGate:
         now = costmodel.batch_cost_bytes(m, view.rows, view.longest, chunk_tokens if view.prefill_rows else 0,
                                          view.prefill_rows, view.longest)
         before = costmodel.batch_cost_bytes(m, previous.rows, previous.longest, 0, 0, 0) if previous else 0
-        return max(now, before) + view.joining_bytes
+        return (max(now, before) + view.joining_bytes
+                + costmodel.scoring_transient_bytes(m, score_tokens, view.scoring_tokens))
 
     def observe_step(self, predicted_fitted: int, now: float) -> bool:
         """Compare the step's measured peak with the prediction. True: the model changed."""

@@ -244,6 +244,7 @@ def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: in
         context_length=shape.context_length,
         prefill_step_tokens=prefill_step_tokens,
         prefill_batch_size=prefill_batch_size,
+        vocab_size=shape.vocab_size,
     )
 
 

@@ -90,8 +90,7 @@ def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:
     tokens = mx.array([t for _, t, _ in rows])
     chosen = mx.take_along_axis(stacked, tokens[:, None], axis=-1)[:, 0]
     if k_max > 0:
-        top_ids = mx.argsort(-stacked, axis=-1)[:, :k_max] if k_max * 8 > stacked.shape[-1] \
-            else _top_k_sorted(stacked, k_max)
+        top_ids = top_k_ids(stacked, k_max)
         top_lps = mx.take_along_axis(stacked, top_ids, axis=-1)
         mx.eval(chosen, top_ids, top_lps)
         ids_list, lps_list = top_ids.tolist(), top_lps.tolist()
@@ -99,15 +98,22 @@ def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:
         mx.eval(chosen)
         ids_list = lps_list = [[] for _ in rows]
     # One transfer each (tolist), never an .item() per row: each is a sync
-    return [[_finite(lp), ids[:k], [_finite(v) for v in lps[:k]]]
+    return [[finite(lp), ids[:k], [finite(v) for v in lps[:k]]]
             for lp, ids, lps, (_, _, k) in zip(chosen.tolist(), ids_list, lps_list, rows)]
 
 
-def _top_k_sorted(x: mx.array, k: int) -> mx.array:
-    part = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+def top_k_ids(x: mx.array, k: int) -> mx.array:
+    """The ids of each row's ``k`` largest values, largest first (a partition, then a sort
+    of only those; a full sort when k is a large share of the row)."""
+    n = x.shape[-1]
+    if k * 8 > n:
+        return mx.argsort(-x, axis=-1)[:, :k]
+    # Partitioned at n - k, not on -x: a negated copy would be another row × vocabulary.
+    part = mx.argpartition(x, kth=n - k, axis=-1)[:, n - k:]
     order = mx.argsort(-mx.take_along_axis(x, part, axis=-1), axis=-1)
     return mx.take_along_axis(part, order, axis=-1)
 
 
-def _finite(v: float) -> float:
+def finite(v: float) -> float:
+    """A logprob JSON can carry: -inf (a token the row may never sample) as MIN_LOGPROB."""
     return v if v > MIN_LOGPROB else MIN_LOGPROB

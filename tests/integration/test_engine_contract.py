@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from common.protocol import SamplingParams
-from worker.engine import Engine
+from worker.engine import NOT_IN_GENERATOR, Engine, Output
 from worker.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
@@ -274,3 +274,46 @@ def test_a_row_from_a_cached_prefix_grows_its_buffer_from_the_prefix(cache_home:
     total = len(second) + 20
     assert reach == kv_reach_tokens(total, hit.tokens)
     assert roundup(total) < longest <= reach
+
+
+# -- a prompt scored for its logprobs joins as a cache hit does ---------------------------
+
+def test_a_scored_prompt_joins_from_its_scored_kv_and_answers_as_a_plain_one(engine: Engine) -> None:
+    """Scored in its own cache, chunk by chunk beside the batch, then inserted with that
+    cache as its prefix (``insert_segments(caches=, all_tokens=)``) and only its last token
+    to feed: its tokens are the plain row's. One that asks for none ends with its scores."""
+    from dataclasses import replace
+
+    engine.set_prefill_step(64)
+    engine.score_step = 48
+    prompt = list(range(3, 203))
+    engine.add("plain", prompt, max_tokens=4, sampling=GREEDY)
+    engine.add("scored", prompt, max_tokens=4, sampling=replace(GREEDY, prompt_logprobs=2))
+    engine.add("scores only", prompt[:30], max_tokens=0, sampling=replace(GREEDY, prompt_logprobs=0))
+    engine.add("one token", [9], max_tokens=2, sampling=replace(GREEDY, prompt_logprobs=1))
+    assert engine.running["scored"].uid == NOT_IN_GENERATOR and engine.scoring_context() == 200
+    outputs: list[Output] = []
+    while engine.has_work:
+        outputs += engine.step()
+        assert engine.last_scored_tokens <= 48
+    tokens = {rid: [t for o in outputs if o.request_id == rid for t in o.token_ids]
+              for rid in {o.request_id for o in outputs}}
+    scores = {o.request_id: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None}
+    assert tokens["scored"] == tokens["plain"] and len(tokens["scored"]) == 4
+    assert len(scores["scored"]) == 199 and all(len(row[1]) == 2 for row in scores["scored"])
+    assert scores["scores only"][:29] == [row[:1] + [[], []] + row[3:] for row in scores["scored"][:29]]
+    assert tokens["scores only"] == [] and scores["one token"] == [] and len(tokens["one token"]) == 2
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert finished == {"plain": "length", "scored": "length", "scores only": "length", "one token": "length"}
+    assert len(engine.generator._generation_batch) == 0
+
+
+def test_a_row_cancelled_while_scoring_leaves_nothing(engine: Engine) -> None:
+    from dataclasses import replace
+
+    engine.score_step = 16
+    engine.add("scoring", list(range(3, 103)), max_tokens=2, sampling=replace(GREEDY, prompt_logprobs=0))
+    engine.step()
+    assert engine.running["scoring"].uid == NOT_IN_GENERATOR
+    assert engine.cancel("scoring") and not engine.has_work and engine.scoring_context() == 0
+    assert engine.step() == []

@@ -14,7 +14,8 @@ from common.costmodel import (
     KV_STEP_TOKENS, MIN_CHUNK_TOKENS, CostModel, batch_cost_bytes, batch_kv_bytes, fits_now,
     copy_spike_bytes, growth_spike_bytes, kv_bytes_per_token, max_new_tokens, max_request_tokens,
     never_fits, forward_transient_bytes, prefill_transient_bytes, request_cost_bytes, roundup,
-    safe_prefill_chunk,
+    safe_prefill_chunk, SCORE_BYTES_PER_LOGIT, SCORE_PASS_BYTES, score_chunk_that_fits,
+    score_rows_per_pass, scored_kv_start, scored_reach_tokens, scoring_step_bytes, scoring_transient_bytes,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -394,3 +395,81 @@ def test_kv_reach_follows_mlx_lms_growth_from_a_cached_prefix(total: int, cached
 @pytest.mark.parametrize(("tokens", "chunk"), [(300, 256), (2047, 1792), (512, 512), (255, 128), (100, 64), (1, 1)])
 def test_prefill_chunks_keep_growths_on_whole_steps(tokens: int, chunk: int) -> None:
     assert kv_aligned_chunk(tokens) == chunk
+
+
+# -- scoring: a prompt's own logprobs -------------------------------------------------
+
+QWEN_VOCAB = 152_064
+
+
+def test_a_scoring_chunk_costs_one_pass_of_logprobs_never_the_prompts_matrix() -> None:
+    # A 2k-token prompt at a Qwen-sized vocabulary: its logits matrix alone in float32 is
+    # over 1 GB; a scoring chunk's float32 work is one pass of SCORE_PASS_BYTES at most.
+    m = make_model(vocab_size=QWEN_VOCAB, prefill_a_bytes=4.0 * QWEN_VOCAB)
+    matrix = 2048 * QWEN_VOCAB * 4
+    assert matrix > 1 << 30
+    for chunk in (32, 512, 2047):
+        work = scoring_transient_bytes(m, chunk, 2048) - forward_transient_bytes(
+            m, chunk_tokens=chunk, context_tokens=2048, prefill_rows=1, decode_rows=0, decode_context=0)
+        assert 0 < work <= SCORE_PASS_BYTES
+    assert score_rows_per_pass(QWEN_VOCAB) * QWEN_VOCAB * SCORE_BYTES_PER_LOGIT <= SCORE_PASS_BYTES
+    assert score_rows_per_pass(0) >= 1 and score_rows_per_pass(10**12) == 1
+    assert scoring_transient_bytes(m, 0, 2048) == 0
+
+
+def test_a_small_vocabulary_is_scored_in_one_pass() -> None:
+    m = make_model(vocab_size=512)
+    assert scoring_transient_bytes(m, 64, 64) == forward_transient_bytes(
+        m, chunk_tokens=64, context_tokens=64, prefill_rows=1, decode_rows=0,
+        decode_context=0) + 64 * 512 * SCORE_BYTES_PER_LOGIT
+
+
+def test_a_scored_row_reaches_from_its_scored_prefix_and_never_joins_without_tokens() -> None:
+    assert scored_kv_start(1000, 1) == 999
+    assert scored_kv_start(1000, 0) == 0
+    assert scored_kv_start(1, 5) == 0  # a one-token prompt has nothing scored
+    # Until it joins, a scored row is charged with its scored KV once more: at the join the
+    # scored cache and the batch's copy of it coexist.
+    assert scored_reach_tokens(1000, 1) == kv_reach_tokens(1001, 999) + 999
+    assert scored_reach_tokens(1000, 0) == 1000 and scored_reach_tokens(1, 5) == 6
+
+
+@given(m=models, prompt=st.integers(1, 8192), max_tokens=st.integers(0, 512))
+@FAST
+def test_scoring_costs_at_least_as_much_as_generating(m: CostModel, prompt: int, max_tokens: int) -> None:
+    m = dataclasses.replace(m, vocab_size=QWEN_VOCAB)
+    scoring = request_cost_bytes(m, prompt, max_tokens, scoring=True)
+    assert scoring >= request_cost_bytes(m, prompt, max_tokens) - m.scale  # int() rounding
+    assert never_fits(m, prompt, max_tokens, scoring=True) or not never_fits(m, prompt, max_tokens)
+
+
+def test_a_scoring_request_that_can_never_fit_is_told_so() -> None:
+    m = make_model(vocab_size=QWEN_VOCAB, prefill_a_bytes=4.0 * QWEN_VOCAB, budget_bytes=200 << 20,
+                   kv_bytes_per_token=64 << 10)
+    most = max_request_tokens(m, scoring=True)
+    assert 0 < most < max_request_tokens(m)
+    assert not never_fits(m, most - 1, 1, scoring=True)
+    assert never_fits(m, most + KV_STEP_TOKENS, 1, scoring=True)
+    assert not never_fits(m, most + KV_STEP_TOKENS, 1)  # the same request without its scores fits
+
+
+def test_a_scoring_chunk_is_charged_beside_the_batch_at_admission() -> None:
+    m = make_model(vocab_size=QWEN_VOCAB)
+    plain = fits_now(m, [600], 100, 10, 0, m.budget_bytes)
+    scored = fits_now(m, [600], 100, 10, 0, m.budget_bytes, score_context=100)
+    assert scored[1] - plain[1] == scoring_step_bytes(m, MIN_CHUNK_TOKENS, 100)
+    # Admission charges it at the smallest chunk, beside the batch at its smallest chunk: a
+    # budget a byte short of both holds the request without its scores, not with them.
+    least = batch_cost_bytes(m, 2, 600, MIN_CHUNK_TOKENS, 1, 600) + scoring_step_bytes(m, MIN_CHUNK_TOKENS, 100)
+    tight = dataclasses.replace(m, budget_bytes=least - 1)
+    assert fits_now(tight, [600], 100, 10, 0, tight.budget_bytes)[0]
+    assert not fits_now(tight, [600], 100, 10, 0, tight.budget_bytes, score_context=100)[0]
+    assert fits_now(dataclasses.replace(m, budget_bytes=least), [600], 100, 10, 0, least, score_context=100)[0]
+
+
+def test_the_scoring_chunk_shrinks_to_what_fits() -> None:
+    m = make_model(vocab_size=QWEN_VOCAB)
+    assert score_chunk_that_fits(m, 2048, 1 << 40, 512) == 512
+    limit = scoring_step_bytes(m, 100, 2048)
+    assert score_chunk_that_fits(m, 2048, limit, 512) == 100
+    assert score_chunk_that_fits(m, 2048, 0, 512) == MIN_CHUNK_TOKENS  # the floor: admission made room for it

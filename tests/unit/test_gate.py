@@ -787,3 +787,43 @@ def test_a_request_that_fits_cold_is_admitted_whatever_its_reuse() -> None:
             assert decision.admit, (total, cached)
             checked += 1
     assert checked > 100
+
+
+# -- scoring a prompt (prompt logprobs) -----------------------------------------------
+
+
+QWEN_VOCAB = 152_064
+
+
+def test_a_scoring_request_is_admitted_by_the_same_rules_with_its_scoring_charged() -> None:
+    model = make_model(vocab_size=QWEN_VOCAB)
+    gate, _ = make_gate(model)
+    plain, scoring = gate.can_admit(view(), 2000, 1), gate.can_admit(view(), 2000, 1, scoring=True)
+    assert plain.admit and scoring.admit and scoring.worst_bytes > plain.worst_bytes
+    # One that could never fit, even idle, is never_fits with the bytes it needs.
+    edge = costmodel.request_cost_bytes(model, 2000, 1, scoring=True)
+    tight, _ = make_gate(make_model(vocab_size=QWEN_VOCAB, budget_bytes=edge - 1))
+    refused = tight.can_admit(view(), 2000, 1, scoring=True)
+    assert refused.reason is RejectReason.NEVER_FITS
+    assert refused.needed_bytes == costmodel.request_cost_bytes(tight.model, 2000, 1, scoring=True)
+    assert tight.can_admit(view(), 2000, 1).admit  # the same request without its scores fits
+
+
+def test_a_running_scoring_chunk_is_charged_to_later_admissions_and_chunks() -> None:
+    gate, _ = make_gate(make_model(vocab_size=QWEN_VOCAB))
+    quiet = EngineView([2000], prefilling=1, prefill_rows=1)
+    scoring = EngineView([2000], prefilling=1, prefill_rows=1, scoring_tokens=2000)
+    assert gate.can_admit(scoring, 500, 10).worst_bytes > gate.can_admit(quiet, 500, 10).worst_bytes
+    extra = costmodel.scoring_transient_bytes(gate.fitted, 256, 2000)
+    assert gate.predict_step(scoring, 256, None, 256) == gate.predict_step(quiet, 256, None) + extra
+
+
+def test_the_scoring_chunk_is_what_fits_beside_the_batchs_step() -> None:
+    model = make_model(vocab_size=QWEN_VOCAB)
+    scoring = EngineView([2000], prefilling=1, prefill_rows=0, scoring_tokens=2000)
+    gate, _ = make_gate(model)
+    assert gate.score_chunk(scoring, 0, 512) == 512
+    batch = costmodel.batch_cost_bytes(model, 1, 2000, 0, 0, 2000)
+    small, _ = make_gate(make_model(vocab_size=QWEN_VOCAB,
+                                    budget_bytes=batch + costmodel.scoring_step_bytes(model, 100, 2000)))
+    assert small.score_chunk(scoring, 0, 512) == 100

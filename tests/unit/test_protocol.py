@@ -36,11 +36,13 @@ EXAMPLES: list[Any] = [
                  temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                  repetition_context_size=64, presence_penalty=0.5, presence_context_size=30,
                  frequency_penalty=-0.5, frequency_context_size=40, logit_bias=[[5, 100.0]],
-                 seed=2**64 - 1, ignore_eos=True, num_logprobs=3, grammar='{"grammars": []}'),
+                 seed=2**64 - 1, ignore_eos=True, num_logprobs=3, grammar='{"grammars": []}',
+                 prompt_logprobs=2),
              reservation_bytes=1 << 20),
     Cancel(incarnation=7, request_id="r1"),
     Tokens(incarnation=7, step=9, outputs=[TokenRow("r1", [5, 6], None), TokenRow("r2", [7], "stop"),
-                                           TokenRow("r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]])]),
+                                           TokenRow("r3", [8], None, [[-0.5, [8, 9], [-0.5, -1.5]]]),
+                                           TokenRow("r4", [], None, None, [[-2.5, [3], [-0.5], 7]])]),
     Reject(incarnation=7, request_id="r1", reason=RejectReason.NOT_NOW.value, message="later",
            needed_bytes=10, max_request_tokens=100),
     Status(incarnation=7, report=protocol.MemoryReport(budget_bytes=1 << 30, running=2, device="cpu",
@@ -438,7 +440,11 @@ TOKENS = next(m for m in EXAMPLES if isinstance(m, Tokens))
     "r1",                                    # not a list of rows
     ["r1", [5], None],                       # a row that is not a list
     [["r1", [5]]],                           # too short
-    [["r1", [5], None, [], "extra"]],        # too long
+    [["r1", [5], None, [], [], "extra"]],    # too long
+    [["r1", [5], None, [], "pl"]],           # prompt logprobs not a list
+    [["r1", [], None, None, [[-0.5, [1], [-0.5]]]]],       # a prompt logprobs entry without its rank
+    [["r1", [], None, None, [[-0.5, [1], [-0.5], 1.5]]]],  # a rank that is not an int
+    [["r1", [], None, None, [[-0.5, [1, 2], [-0.5], 1]]]],  # top ids and top logprobs differ
     [[1, [5], None]],                        # request id not a string
     [["r1", [5, "6"], None]],                # a token id not an int
     [["r1", [5], 3]],                        # finish reason not a string or nil
@@ -462,6 +468,9 @@ def test_token_rows_are_positional_on_the_wire() -> None:
     rows = body_of(TOKENS)["outputs"]
     assert rows[0] == ["r1", [5, 6], None] and len(rows[2]) == 4
     assert decode(pack(body_of(TOKENS))).outputs[2].logprobs == [[-0.5, [8, 9], [-0.5, -1.5]]]
+    # A prompt's logprobs ride in a row of their own, after a nil logprobs item.
+    assert rows[3] == ["r4", [], None, None, [[-2.5, [3], [-0.5], 7]]]
+    assert decode(pack(body_of(TOKENS))).outputs[3].prompt_logprobs == [[-2.5, [3], [-0.5], 7]]
 
 
 def test_incarnation_as_str_is_refused() -> None:
