@@ -13,8 +13,9 @@ from common.protocol import SamplingParams
 
 
 # max_tokens of a request that named none, until its prompt is tokenized: then the room
-# left in the context (router/fleet/admission.py's room_left). No client can send it (0 is a 400).
-ROOM_LEFT = 0
+# left in the context (router/fleet/admission.py's room_left). No client can send it (a
+# negative max_tokens is a 400; 0 is taken with echo: the prompt's scores alone).
+ROOM_LEFT = -1
 
 
 class JobState(StrEnum):
@@ -38,6 +39,9 @@ class TokenEvent:
     # One [logprob, top_ids, top_logprobs] per token, when the request asked for them.
     logprobs: list[list[Any]] | None = None
     cached_tokens: int = 0      # on a row's first event: prompt tokens the worker reused
+    # Once, before its first token: [logprob, top_ids, top_logprobs, rank] per prompt token
+    # after the first, when the request asked for its prompt's logprobs.
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 Event = TokenEvent | HeadroomError

@@ -16,7 +16,7 @@ from common.protocol import SamplingParams
 from router.job import ROOM_LEFT
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "MAX_COMPLETION_LOGPROBS", "parse_max_tokens",
-           "parse_sampling", "check_token_ids", "is_int", "is_number"]
+           "parse_sampling", "parse_prompt_logprobs", "check_token_ids", "is_int", "is_number"]
 
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20          # chat completions
@@ -54,15 +54,18 @@ def _integer(body: dict[str, Any], name: str, default: int, lo: int, hi: int) ->
     return int(value)
 
 
-def parse_max_tokens(body: dict[str, Any], default_max_tokens: int | None) -> int:
-    """The max_tokens asked for, else the default; ``ROOM_LEFT`` (0) without a default."""
+def parse_max_tokens(body: dict[str, Any], default_max_tokens: int | None, *, allow_zero: bool = False) -> int:
+    """The max_tokens asked for, else the default; ``ROOM_LEFT`` without a default.
+    ``allow_zero``: 0 asks for no tokens at all (with echo: the prompt, and its logprobs)."""
     max_tokens = ROOM_LEFT if default_max_tokens is None else default_max_tokens
+    least = 0 if allow_zero else 1
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:
             continue
-        if not is_int(value) or value <= 0:
-            raise BadRequest(f"{name} must be a positive integer, got {value!r}", param=name)
+        if not is_int(value) or value < least:
+            what = "a non-negative integer (0 only with echo)" if allow_zero else "a positive integer"
+            raise BadRequest(f"{name} must be {what}, got {value!r}", param=name)
         max_tokens = value
     return max_tokens
 
@@ -128,6 +131,13 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     if body.get("logprobs") is None:
         return None
     return _integer(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
+
+
+def parse_prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's ``prompt_logprobs``: each prompt token's logprob with the k most likely."""
+    if body.get("prompt_logprobs") is None:
+        return None
+    return _integer(body, "prompt_logprobs", 0, 0, MAX_TOP_LOGPROBS)
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -7,12 +7,12 @@ clients often send vendor extras.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import BadRequest
 from router.chat.constraints import ResponseFormat
-from router.chat.sampling_params import is_int, parse_max_tokens, parse_sampling
+from router.chat.sampling_params import is_int, parse_max_tokens, parse_prompt_logprobs, parse_sampling
 from router.job import Sampling
 from router.chat.toolspec import (
     Tool, ToolChoice, parse_response_format, parse_tool_calls, parse_tool_choice, parse_tools,
@@ -21,7 +21,7 @@ from router.chat.toolspec import (
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOPS = 4
 MAX_PROMPTS = 64
-# Parameter → predicate that is true at its neutral value.
+# Parameter → predicate that is true at its neutral value (``echo`` is taken by completions).
 NEUTRAL: dict[str, Any] = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
@@ -56,6 +56,8 @@ class Parsed:
     response_format: ResponseFormat | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     separate_reasoning: bool = True            # reasoning text in reasoning_content
+    echo: bool = False                         # a completion's text starts with its prompt
+    prompt_logprobs: int | None = None         # vLLM's field: the prompt's logprobs, top k
 
     @property
     def num_choices(self) -> int:
@@ -79,7 +81,8 @@ def parse_completion(body: Any, default_max_tokens: int | None, max_n: int = 1) 
     if any(p == "" for p in prompts):
         raise BadRequest("prompt must not be empty", param="prompt")
     prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-    return _common(body, "completion", default_max_tokens, max_n, prompts=prompts)
+    return _common(body, "completion", default_max_tokens, max_n, prompts=prompts,
+                   echo=_optional(body, "echo", bool, False))
 
 
 def parse_chat(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Parsed:
@@ -144,7 +147,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 def _common(body: dict[str, Any], kind: str, default_max_tokens: int | None, max_n: int,
             **prompt: Any) -> Parsed:
     for name, is_neutral in NEUTRAL.items():
-        if name in body and not is_neutral(body[name]):
+        if name in body and name not in prompt and not is_neutral(body[name]):
             raise BadRequest(f"{name} is not supported (only its default value is accepted)",
                              param=name)
     model = body.get("model")
@@ -163,11 +166,20 @@ def _common(body: dict[str, Any], kind: str, default_max_tokens: int | None, max
     n = body.get("n")
     if n is not None and (not is_int(n) or not 1 <= n <= max_n):
         raise BadRequest(f"n must be an integer in [1, {max_n}] (the server's --max-n)", param="n")
-    sampling = Sampling(max_tokens=parse_max_tokens(body, default_max_tokens),
-                        params=parse_sampling(body, chat=kind == "chat"))
+    echo = bool(prompt.get("echo"))
+    prompt_logprobs = parse_prompt_logprobs(body)
+    if prompt_logprobs is not None and stream:  # as vLLM answers: they come with the whole answer
+        raise BadRequest("prompt_logprobs is not supported with stream", param="prompt_logprobs")
+    params = parse_sampling(body, chat=kind == "chat")
+    # The worker scores the prompt for the larger of the two asks: echo's logprobs (the
+    # prompt's part of them) and prompt_logprobs.
+    scored = [k for k in (prompt_logprobs, params.num_logprobs if echo else None) if k is not None]
+    sampling = Sampling(max_tokens=parse_max_tokens(body, default_max_tokens, allow_zero=echo),
+                        params=replace(params, prompt_logprobs=max(scored, default=None)))
     return Parsed(kind=kind, model=model or "", sampling=sampling, stream=stream,
                   include_usage=include_usage, stop=_stops(body.get("stop")), n=n or 1,
-                  response_format=parse_response_format(body.get("response_format")), **prompt)
+                  response_format=parse_response_format(body.get("response_format")),
+                  prompt_logprobs=prompt_logprobs, **prompt)
 
 
 def _stops(stop: Any) -> list[str]:

@@ -319,6 +319,16 @@ class RouterTokenizer:
             return bytes([int(piece[3:5], 16)])
         return self._backend.decode([token_id], skip_special_tokens=False).encode()
 
+    def text_offsets(self, ids: list[int]) -> list[int]:
+        """Each token's offset in ``decode(ids)``: the length of the text before it (the
+        tokens of a character split over several all start where the character does)."""
+        detokenizer = self.make_detokenizer()
+        offsets, length = [], 0
+        for token in ids:
+            offsets.append(length)
+            length += len(detokenizer.add([token]))
+        return offsets
+
     def make_detokenizer(self, keep: Iterable[str] = ()) -> IncrementalDetokenizer:
         """A fresh detokenizer for one stream; the special tokens spelled in ``keep`` (tool
         and reasoning markers a parser needs) stay in the text."""

@@ -39,21 +39,24 @@ class WorkerView:
     held: bool = False              # the worker said "not now"; wait for a fresh report
 
 
-def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens: int) -> BadRequest | None:
-    """The 400s: over the context, or more memory than an idle worker has."""
+def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens: int, *,
+               scoring: bool = False) -> BadRequest | None:
+    """The 400s: over the context, or more memory than an idle worker has (``scoring``:
+    with its prompt's logprobs, whose scoring chunks and scored KV cost more)."""
     total = prompt_tokens + max_tokens
     if total > model.context_length:
         return ContextLengthExceeded(
             f"this model's maximum context length is {model.context_length} tokens; the "
             f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens} "
             f"({total} in all)", param="messages" if prompt_tokens > max_tokens else "max_tokens")
-    if admission and costmodel.never_fits(model, prompt_tokens, max_tokens):
-        limit = costmodel.max_request_tokens(model)
+    if admission and costmodel.never_fits(model, prompt_tokens, max_tokens, scoring=scoring):
+        limit = costmodel.max_request_tokens(model, scoring=scoring)
+        scored = " with its prompt's logprobs" if scoring else ""
         return InsufficientMemory(
             f"the request needs more memory than the worker has even when idle: prompt "
-            f"{prompt_tokens} + max_tokens {max_tokens} tokens; at most {limit} fit",
+            f"{prompt_tokens} + max_tokens {max_tokens} tokens{scored}; at most {limit} fit",
             param="max_tokens",
-            needed_bytes=costmodel.request_cost_bytes(model, prompt_tokens, max_tokens),
+            needed_bytes=costmodel.request_cost_bytes(model, prompt_tokens, max_tokens, scoring=scoring),
             max_request_tokens=limit)
     return None
 

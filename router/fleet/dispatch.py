@@ -347,7 +347,8 @@ class Dispatcher:
                 job.first_token_at = now
                 log.debug("first token after %.3fs", now - job.enqueued_at,
                           extra=about(request_id, link.incarnation, link.model_alias))
-            job.num_output_tokens += len(ids)
+            # A prompt's logprobs are output too: a job that sent them is never retried
+            job.num_output_tokens += len(ids) + (row.prompt_logprobs is not None)
             if finish is not None:
                 del link.in_flight[request_id]
                 link.last_used_at, finished = now, True
@@ -360,7 +361,7 @@ class Dispatcher:
                 if finish is not None:
                     job.state = JobState.DONE
                 job.events.put_nowait(TokenEvent(ids, finish, row.logprobs,
-                                                 msg.cached_tokens.get(request_id, 0)))
+                                                 msg.cached_tokens.get(request_id, 0), row.prompt_logprobs))
         self.metrics.generated_tokens.inc(sum(len(r.token_ids) for r in msg.outputs))
         if finished:
             self._changed(link.model_alias)

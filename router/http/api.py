@@ -36,11 +36,11 @@ from router.fleet import admission
 from router.fleet.dispatch import Dispatcher
 from router.fleet.fleet import Fleet, Served
 from router.http.limits import Limits, check_body, check_max_tokens, check_prompt_tokens
-from router.http.output import ChatPresenter, Collector, Formatter, Presenter
+from router.http.output import ChatPresenter, Collector, Formatter, Presenter, Shown
 from router.http.reqid import ROW_SEP, KEY as REQUEST_ID, make_request_id
 from router.http.rows import Rows
 from router.http.sse import ClientGone, Responder, SlowReader
-from router.job import ROOM_LEFT, ChoiceEvents, Job, JobState, Sampling
+from router.job import ROOM_LEFT, ChoiceEvents, Job, JobState, Sampling, TokenEvent
 from router.ops.status import Metrics
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,7 @@ class Api:
         if plan.grammar is not None:
             sampling = replace(sampling, params=replace(sampling.params, grammar=plan.grammar))
         room_left = sampling.max_tokens == ROOM_LEFT
+        scoring = sampling.params.prompt_logprobs is not None
         row_max_tokens = []  # per prompt: a request that named no max_tokens gets the room left
         for ids in prompts:
             check_prompt_tokens(len(ids), self.limits,
@@ -274,7 +275,7 @@ class Api:
             max_tokens = admission.room_left(cost_model, admits, len(ids), self.max_default_tokens,
                                              served.spec.context_length) \
                 if room_left else sampling.max_tokens
-            error = admission.check_ever(cost_model, admits, len(ids), max_tokens) \
+            error = admission.check_ever(cost_model, admits, len(ids), max_tokens, scoring=scoring) \
                 if cost_model is not None else None
             if error is not None:
                 raise error
@@ -297,7 +298,12 @@ class Api:
                                  grammar_param=plan.grammar_param))
         try:
             for job in rows.jobs:
-                self.dispatcher.submit(job)
+                if job.sampling.max_tokens == 0 and not scoring:
+                    # Echo alone: the answer is the prompt, known here; no worker is asked.
+                    job.state = JobState.DONE
+                    job.events.put_nowait(TokenEvent([], "length"))
+                else:
+                    self.dispatcher.submit(job)
         except HeadroomError:
             for job in rows.jobs:
                 self.dispatcher.cancel(job)
@@ -344,9 +350,10 @@ class Api:
                    endpoint: Endpoint) -> web.StreamResponse:
         tok = rows.tokenizer
         plan = rows.plan
+        shown = await self._shown(parsed, rows)
         collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
                                 len(job.prompt_ids), i, plan.parser(),
-                                inline_reasoning=not parsed.separate_reasoning)
+                                inline_reasoning=not parsed.separate_reasoning, shown=shown[i])
                       for i, job in enumerate(rows.jobs)]
         present = endpoint.present(body, parsed, rows, rows.model_id, tok)
         self.num_in_flight += 1
@@ -367,6 +374,25 @@ class Api:
                 client_left = job.state is not JobState.DONE
                 self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
                 self._observe(job, collector, client_left)
+
+    async def _shown(self, parsed: Parsed, rows: Rows) -> list[Shown | None]:
+        """What each choice's answer shows of its prompt: the echoed text (a text prompt as
+        sent, token ids decoded), each token's offset in it when logprobs are asked for, and
+        the ids its prompt logprobs are of. The choices of one prompt share one."""
+        if not parsed.echo and parsed.prompt_logprobs is None:
+            return [None] * len(rows.jobs)
+        tok = rows.tokenizer
+        offsets_wanted = parsed.echo and parsed.sampling.params.num_logprobs is not None
+        by_prompt: dict[int, Shown] = {}
+        for i, job in enumerate(rows.jobs):
+            prompt = i // parsed.n
+            if prompt in by_prompt:
+                continue
+            given, ids = parsed.prompts[prompt] if parsed.prompts is not None else None, job.prompt_ids
+            echo = (given if isinstance(given, str) else tok.decode(ids)) if parsed.echo else None
+            offsets = await self._encode(tok.text_offsets, ids, len(ids)) if offsets_wanted else []
+            by_prompt[prompt] = Shown(ids, echo, offsets, job.sampling.params.prompt_logprobs is not None)
+        return [by_prompt[i // parsed.n] for i in range(len(rows.jobs))]
 
     def _observe(self, job: Job, collector: Collector, client_left: bool) -> None:
         """Metrics, and the one INFO line per row (no prompt text at INFO)."""

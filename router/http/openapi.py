@@ -169,6 +169,8 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
         "response_format": {"type": ["object", "null"], "properties": {
             "type": {"enum": ["text", "json_object", "json_schema"]}}},
     }
+    prompt_logprobs = {"type": ["integer", "null"], "minimum": 0, "maximum": 20, "description":
+                       "vLLM's extension: each prompt token's logprob and the k most likely (not with stream)"}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role"], "properties": {
@@ -214,6 +216,7 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
             **sampling, "max_completion_tokens": max_tokens,
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+            "prompt_logprobs": prompt_logprobs,
             "tools": {"type": ["array", "null"], "items": {"type": "object"}},
             "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"},
                                       {"type": "null"}]},
@@ -221,6 +224,10 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
                          "items": message}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             **sampling, "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
+            "max_tokens": {**max_tokens, "minimum": 0, "description": "0 only with echo: the prompt alone"},
+            "echo": {"type": ["boolean", "null"], "description":
+                     "the text starts with the prompt; with logprobs, they cover its tokens too"},
+            "prompt_logprobs": prompt_logprobs,
             "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},

@@ -2,7 +2,8 @@
 
 One ``Collector`` per choice (each choice is one row in the worker's batch); one
 ``Formatter`` per request builds the chat or text completion shapes, streamed and not,
-with logprobs in OpenAI's shapes when the request asked for them. A ``Presenter`` is one
+with logprobs in OpenAI's shapes when the request asked for them, and what an answer shows
+of its prompt (``echo``, its logprobs, vLLM's ``prompt_logprobs``). A ``Presenter`` is one
 API's view of the collectors (the OpenAI one, ``ChatPresenter``, is here;
 router/http/anthropic_output.py and router/http/responses_output.py hold the others), so one stream
 loop in router/http/api.py serves every API.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.errors import HeadroomError
@@ -22,8 +24,21 @@ from router.chat.streamparser import Delta, StreamParser, ToolCall
 from router.chat.tokenizer import IncrementalDetokenizer
 from router.job import TokenEvent
 
-# A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token.
+# A worker logprobs row: [logprob, top_ids, top_logprobs] for one generated token; a prompt
+# token's row has its rank after those.
 LogprobRow = list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """What a choice's answer shows of its prompt: its token ids; ``echo``, the text the
+    answer starts with; ``offsets``, each token's offset in that text (echo with logprobs);
+    ``scored``, whether the worker scores the prompt (its logprobs must then arrive)."""
+
+    ids: list[int]
+    echo: str | None = None
+    offsets: list[int] = field(default_factory=list)
+    scored: bool = False
 
 
 class Collector:
@@ -35,8 +50,10 @@ class Collector:
 
     def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str], prompt_tokens: int,
                  index: int = 0, parser: StreamParser | None = None,
-                 inline_reasoning: bool = False) -> None:
+                 inline_reasoning: bool = False, shown: Shown | None = None) -> None:
         self.index = index
+        self.shown = shown
+        self.prompt_logprobs: list[LogprobRow] | None = None   # from the worker, when scored
         self.parser = parser
         self.inline_reasoning = inline_reasoning
         self.reasoning_parts: list[str] = []
@@ -53,12 +70,22 @@ class Collector:
         self.token_ids: list[int] = []
         self.logprobs: list[LogprobRow] = []
         self._delta_logprobs: list[tuple[int, LogprobRow]] = []
+        # The echoed prompt is text the answer starts with, before any stop string or parser.
+        self._echo_unsent = shown is not None and shown.echo is not None
+        if shown is not None and shown.echo is not None:
+            self.parts.append(shown.echo)
+            self._delta_parsed.content = shown.echo
 
     def feed(self, event: TokenEvent) -> None:
         if self.finished:
             return
         if event.cached_tokens > 0:
             self.cached_tokens = min(event.cached_tokens, self.prompt_tokens)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        if event.finish_reason is not None and self.shown is not None and self.shown.scored \
+                and self.prompt_logprobs is None:
+            raise ValueError("the worker sent no prompt logprobs (a worker older than this router?)")
         self.completion_tokens += len(event.token_ids)
         if event.logprobs is not None:
             for token, row in zip(event.token_ids, event.logprobs):
@@ -106,6 +133,11 @@ class Collector:
         delta, self._delta_parsed = self._delta_parsed, Delta()
         logprobs, self._delta_logprobs = self._delta_logprobs, []
         return delta, logprobs
+
+    def take_echo(self) -> bool:
+        """True once: the delta just taken starts with the echoed prompt."""
+        unsent, self._echo_unsent = self._echo_unsent, False
+        return unsent
 
     def take_chat_delta(self) -> dict[str, Any]:
         """What was gathered since the last take, as a chat completion's stream delta carries it
@@ -161,7 +193,9 @@ class Formatter:
                  token_bytes: Callable[[int], bytes]) -> None:
         self.chat = parsed.kind == "chat"
         self.include_usage = parsed.include_usage
-        self.wants_logprobs = parsed.sampling.params.num_logprobs is not None
+        self.num_logprobs = parsed.sampling.params.num_logprobs
+        self.wants_logprobs = self.num_logprobs is not None
+        self.prompt_top = parsed.prompt_logprobs      # vLLM's prompt_logprobs: shown when set
         self.request_id = request_id
         self.model_id = model_id
         self.token_bytes = token_bytes
@@ -177,13 +211,14 @@ class Formatter:
         return body
 
     def chunks(self, c: Collector, delta: Delta, logprobs: list[tuple[int, LogprobRow]],
-               text_offset: int = 0) -> list[dict[str, Any]]:
+               text_offset: int = 0, echo: bool = False) -> list[dict[str, Any]]:
         """The stream chunks for what one choice added: its text (and reasoning) first,
-        then each new tool call as two chunks, its id and name, then its arguments."""
+        then each new tool call as two chunks, its id and name, then its arguments.
+        ``echo``: the text starts with the echoed prompt (its logprobs go first)."""
         index = c.index
-        lp = self._logprobs(logprobs, text_offset) if self.wants_logprobs else None
+        lp = self._logprobs(c, logprobs, text_offset, echo) if self.wants_logprobs else None
         if not self.chat:
-            if not delta.content and not logprobs:
+            if not delta.content and not logprobs and not echo:
                 return []
             return [self._envelope([{"index": index, "text": delta.content, "logprobs": lp,
                                      "finish_reason": None}], chunk=True)]
@@ -226,14 +261,19 @@ class Formatter:
     def full(self, collectors: list[Collector], prompt_tokens: int) -> dict[str, Any]:
         choices = []
         for c in collectors:
-            lp = self._logprobs(list(zip(c.token_ids, c.logprobs)), 0) if self.wants_logprobs else None
+            echo = c.shown is not None and c.shown.echo is not None
+            lp = self._logprobs(c, list(zip(c.token_ids, c.logprobs)), 0, echo) if self.wants_logprobs else None
             if self.chat:
                 choices.append({"index": c.index, "message": self._message(c), "logprobs": lp,
                                 "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason})
+                if self.prompt_top is not None:  # vLLM's shape: per choice on completions
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
         body = self._envelope(choices, chunk=False)
+        if self.chat and self.prompt_top is not None and collectors:  # and once on a chat
+            body["prompt_logprobs"] = self._prompt_logprobs(collectors[0])
         body["usage"] = usage(collectors, prompt_tokens)
         return body
 
@@ -248,9 +288,12 @@ class Formatter:
                  "function": {"name": t.name, "arguments": t.arguments}} for t in c.calls]
         return message
 
-    def _logprobs(self, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
+    def _logprobs(self, c: Collector, rows: list[tuple[int, LogprobRow]], text_offset: int,
+                  echo: bool = False) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._chat_entry(token, row) for token, row in rows], "refusal": None}
+        if echo:
+            return self._with_echo(c, rows, text_offset)
         return self._completion_logprobs(rows, text_offset)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
@@ -267,16 +310,52 @@ class Formatter:
         """Legacy shape: the top dict holds the k most likely and always the sampled token."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token, (logprob, top_ids, top_lps) in rows:
-            text = self._entry(token, logprob)["token"]
+            text = self._text(token)
             tokens.append(text)
             token_logprobs.append(logprob)
-            top = {self._entry(t, v)["token"]: v for t, v in zip(top_ids, top_lps)}
-            top.setdefault(text, logprob)
-            tops.append(top)
+            tops.append(self._top(text, logprob, top_ids, top_lps))
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _text(self, token: int) -> str:
+        return token_text(self.token_bytes(token))
+
+    def _top(self, text: str, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[str, float]:
+        top = {self._text(t): v for t, v in zip(top_ids, top_lps)}
+        top.setdefault(text, logprob)
+        return top
+
+    def _with_echo(self, c: Collector, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
+        """A completion's logprobs whose text starts with the echoed prompt: the prompt's
+        tokens (the first has no logprob: ``null``), at their offsets in the echoed text,
+        then the new ones after it."""
+        assert c.shown is not None and c.shown.echo is not None
+        k = self.num_logprobs or 0
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": list(c.shown.offsets)}
+        for i, token in enumerate(c.shown.ids):
+            text = self._text(token)
+            row = c.prompt_logprobs[i - 1] if i and c.prompt_logprobs is not None else None
+            out["tokens"].append(text)
+            out["token_logprobs"].append(row[0] if row else None)
+            out["top_logprobs"].append(self._top(text, row[0], row[1][:k], row[2][:k]) if row else None)
+        new = self._completion_logprobs(rows, text_offset + len(c.shown.echo))
+        return {key: out[key] + new[key] for key in out}
+
+    def _prompt_logprobs(self, c: Collector) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first has none: ``null``) its
+        own and the k most likely, each ``{"logprob", "rank", "decoded_token"}`` by id."""
+        assert c.shown is not None
+        k = self.prompt_top or 0
+        out: list[dict[str, Any] | None] = [None]
+        for token, (logprob, top_ids, top_lps, rank) in zip(c.shown.ids[1:], c.prompt_logprobs or []):
+            entry = {str(t): {"logprob": v, "rank": n, "decoded_token": self._text(t)}
+                     for n, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1)}
+            entry.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": self._text(token)})
+            out.append(entry)
+        return out
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -326,7 +405,7 @@ class ChatPresenter:
     def delta(self, c: Collector) -> bytes:
         delta, logprobs = c.take_delta()
         out = b"".join(sse(chunk) for chunk in
-                       self.fmt.chunks(c, delta, logprobs, len(c.text) - len(delta.content)))
+                       self.fmt.chunks(c, delta, logprobs, len(c.text) - len(delta.content), c.take_echo()))
         return out + sse(self.fmt.final_chunk(c)) if c.finished else out
 
     def keepalive(self) -> bytes:

@@ -52,6 +52,19 @@ def test_context_length_exceeded() -> None:
     assert not isinstance(check_ever(m, True, 900, 100), ContextLengthExceeded)
 
 
+def test_a_prompt_whose_scores_can_never_fit_is_refused_with_the_scoring_limit() -> None:
+    m = make_model(vocab_size=32_000)
+    most = costmodel.max_request_tokens(m, scoring=True)
+    assert 0 < most < costmodel.max_request_tokens(m)
+    prompt = most + 300
+    assert check_ever(m, True, prompt, 1) is None  # without its scores it fits
+    err = check_ever(m, True, prompt, 1, scoring=True)
+    assert isinstance(err, InsufficientMemory) and err.code == "insufficient_memory"
+    assert err.extra["max_request_tokens"] == most and "prompt's logprobs" in err.message
+    assert err.extra["needed_bytes"] == costmodel.request_cost_bytes(m, prompt, 1, scoring=True) > m.budget_bytes
+    assert check_ever(m, False, prompt, 1, scoring=True) is None  # --unsafe-no-admission
+
+
 @pytest.mark.parametrize(("prompt", "max_tokens", "param"), [
     (2000, 10, "messages"), (10, 2000, "max_tokens"),
 ])

@@ -318,9 +318,13 @@ def test_neutral_values_accepted(parse: Any, make: Any, name: str, value: Any) -
     parse(make(**{name: value}), DEFAULT_MAX)
 
 
-@BOTH
-@pytest.mark.parametrize(("name", "value"),
-                         [(k, v) for k, vs in NON_NEUTRAL_VALUES.items() for v in vs])
+# What an endpoint takes although the other refuses it: completions echo their prompt.
+TAKEN = {(parse_completion, "echo")}
+
+
+@pytest.mark.parametrize(("parse", "make", "name", "value"),
+                         [(parse, make, k, v) for parse, make in ((parse_chat, chat), (parse_completion, completion))
+                          for k, vs in NON_NEUTRAL_VALUES.items() for v in vs if (parse, k) not in TAKEN])
 def test_non_neutral_values_refused(parse: Any, make: Any, name: str, value: Any) -> None:
     err = refused(parse, make(**{name: value}))
     assert err.param == name and name in err.message
@@ -425,3 +429,46 @@ def test_an_unhashable_role_is_a_400_not_a_crash(role: Any) -> None:
     with pytest.raises(BadRequest) as info:
         parse_chat({"messages": [{"role": role, "content": "hi"}]}, 8)
     assert info.value.param == "messages[0].role"
+
+
+# -- echo and prompt logprobs (scoring) ------------------------------------------------
+
+def test_a_completion_echoes_and_scores_its_prompt_for_its_logprobs() -> None:
+    p = parse_completion(completion(echo=True, logprobs=3, max_tokens=1), DEFAULT_MAX)
+    assert p.echo and p.sampling.params.num_logprobs == 3
+    assert p.sampling.params.prompt_logprobs == 3   # the worker scores the prompt
+    assert p.prompt_logprobs is None                 # vLLM's own field was not asked for
+
+
+def test_echo_without_logprobs_scores_nothing() -> None:
+    p = parse_completion(completion(echo=True, max_tokens=0), DEFAULT_MAX)
+    assert p.echo and p.sampling.max_tokens == 0 and p.sampling.params.prompt_logprobs is None
+
+
+@pytest.mark.parametrize(("fields", "scored"), [
+    ({"prompt_logprobs": 4}, 4), ({"prompt_logprobs": 0, "echo": True, "logprobs": 2}, 2),
+    ({"prompt_logprobs": 5, "echo": True, "logprobs": 1}, 5), ({"prompt_logprobs": 1, "logprobs": 5}, 1),
+])
+def test_the_prompt_is_scored_for_the_larger_ask(fields: dict[str, Any], scored: int) -> None:
+    p = parse_completion(completion(**fields), DEFAULT_MAX)
+    assert p.sampling.params.prompt_logprobs == scored
+    assert p.prompt_logprobs == fields["prompt_logprobs"]
+
+
+def test_chat_takes_prompt_logprobs() -> None:
+    p = parse_chat(chat(prompt_logprobs=2, max_tokens=1), DEFAULT_MAX)
+    assert p.prompt_logprobs == 2 and p.sampling.params.prompt_logprobs == 2
+
+
+@pytest.mark.parametrize(("parse", "body", "param"), [
+    (parse_completion, completion(max_tokens=0), "max_tokens"),              # no tokens only with echo
+    (parse_completion, completion(echo=True, max_tokens=-1), "max_tokens"),
+    (parse_completion, completion(echo="yes"), "echo"),
+    (parse_completion, completion(prompt_logprobs=21), "prompt_logprobs"),
+    (parse_completion, completion(prompt_logprobs=-1), "prompt_logprobs"),
+    (parse_completion, completion(prompt_logprobs=2, stream=True), "prompt_logprobs"),  # as vLLM
+    (parse_chat, chat(prompt_logprobs=2, stream=True), "prompt_logprobs"),
+    (parse_chat, chat(echo=True), "echo"),                                 # chat never echoes
+])
+def test_bad_scoring_parameters_are_refused_by_name(parse: Any, body: dict[str, Any], param: str) -> None:
+    assert refused(parse, body).param == param

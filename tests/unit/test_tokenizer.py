@@ -575,3 +575,24 @@ def test_a_template_that_refuses_a_partial_chat_gives_no_boundary_there(
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     found, ids = boundaries_of(t, chat)
     assert found == [len(t.encode_rendered(t.render_chat(chat, add_generation_prompt=False)))]
+
+
+# ---------------------------------------------------------------- echo's text offsets
+
+
+@pytest.mark.parametrize("text", ["hello world", "café naïve 日本語 😀 end", "a"])
+def test_text_offsets_are_where_each_token_starts_in_the_decoded_text(tok: RouterTokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    offsets = tok.text_offsets(ids)
+    assert len(offsets) == len(ids) and offsets[0] == 0 and offsets == sorted(offsets)
+    decoded = tok.decode(ids)
+    assert decoded == text
+    for i, at in enumerate(offsets):  # the text before a token is the decode of the ones before it
+        assert decoded[:at] == tok.decode(ids[:i]).rstrip("\ufffd")
+
+
+def test_text_offsets_skip_a_bos_the_text_does_not_show(spm_tok: RouterTokenizer) -> None:
+    ids = spm_tok.encode("ab é")
+    assert ids[0] == 1  # <s>
+    offsets = spm_tok.text_offsets(ids)
+    assert offsets[:2] == [0, 0] and offsets[-1] < len(spm_tok.decode(ids))
