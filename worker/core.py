@@ -393,7 +393,8 @@ class WorkerCore:
         if plan.chunk_tokens != self.chunk_tokens or plan.why == "pressure" or plan.prefill_rows:
             self.chunk_tokens = plan.chunk_tokens
             self.engine.set_prefill_step(plan.chunk_tokens)
-        self.engine.score_step = plan.score_tokens
+        if plan.score_tokens != self.engine.score_step:
+            self.engine.set_score_step(plan.score_tokens)
         for request_id in plan.evict:
             log.warning("evicting: memory taken by another process", extra=about(request_id))
             self.engine.cancel(request_id)

@@ -41,7 +41,7 @@ import msgpack
 from common.protocol import ExitCode, SamplingParams
 from worker.engine import Engine, Output
 from worker.lockstep import (
-    MAX_INPUTS_BYTES, Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, Op, StepInputs,
+    MAX_INPUTS_BYTES, Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, Op, ScoreChunk, StepInputs,
     apply, decode_inputs, decode_shape, dropped_alone, encode_inputs, encode_shape, with_seed,
 )
 from worker.prefix_cache import Hit
@@ -122,6 +122,10 @@ class LockstepEngine(Engine):
     def set_prefill_step(self, tokens: int) -> None:
         super().set_prefill_step(tokens)
         self._ops.append(Chunk(tokens))
+
+    def set_score_step(self, tokens: int) -> None:
+        super().set_score_step(tokens)
+        self._ops.append(ScoreChunk(tokens))
 
     def cancel_all(self) -> list[str]:
         ids = super().cancel_all()

@@ -154,6 +154,10 @@ class Engine:
         """Read by the generator at every step, so a change applies to the next chunk."""
         self.generator.prefill_step_size = tokens
 
+    def set_score_step(self, tokens: int) -> None:
+        """The next scoring chunk (``_score``)."""
+        self.score_step = tokens
+
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
             sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
             boundaries: list[int] | None = None) -> None:

@@ -1,6 +1,7 @@
 """The engine inputs that keep a distributed group's ranks in lockstep, and their frames.
 
-Pure (no MLX): what rank 0 records (add, cancel, the next prefill chunk, cancel all), how
+Pure (no MLX): what rank 0 records (add, cancel, the next prefill chunk, the next scoring
+chunk of a prompt whose logprobs were asked for, cancel all), how
 it travels between ranks (one msgpack frame per step), and how a follower replays it on
 its engine. ``worker/distributed.py`` carries the frames over ``mx.distributed``.
 """
@@ -50,11 +51,19 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoreChunk:
+    """The scoring chunk for the next steps (0: none; the gate and pacer decide it on rank 0):
+    every rank's scoring forwards must be the same collectives."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class CancelAll:
     """After a failed step: nothing of the running rows is kept."""
 
 
-Op = Add | Cancel | Chunk | CancelAll
+Op = Add | Cancel | Chunk | ScoreChunk | CancelAll
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,8 @@ def encode_inputs(inputs: StepInputs) -> bytes:
             ops.append(["cancel", op.request_id])
         elif isinstance(op, Chunk):
             ops.append(["chunk", op.tokens])
+        elif isinstance(op, ScoreChunk):
+            ops.append(["score", op.tokens])
         else:
             ops.append(["cancel_all"])
     return msgpack.packb({"ops": ops, "step": inputs.step, "stop": inputs.stop}, use_bin_type=True)
@@ -124,6 +135,8 @@ def _decode_op(op: Any) -> Op:
         return Cancel(args[0])
     if kind == "chunk" and len(args) == 1 and isinstance(args[0], int) and args[0] > 0:
         return Chunk(args[0])
+    if kind == "score" and len(args) == 1 and isinstance(args[0], int) and args[0] >= 0:
+        return ScoreChunk(args[0])
     if kind == "cancel_all" and not args:
         return CancelAll()
     raise LockstepError(f"bad op {op!r:.80}")
@@ -155,6 +168,7 @@ class Target(Protocol):
             boundaries: list[int] | None = None) -> None: ...
     def cancel(self, request_id: str) -> bool: ...
     def set_prefill_step(self, tokens: int) -> None: ...
+    def set_score_step(self, tokens: int) -> None: ...
     def cancel_all(self) -> list[str]: ...
 
 
@@ -168,6 +182,8 @@ def apply(ops: Sequence[Op], engine: Target) -> None:
             engine.cancel(op.request_id)
         elif isinstance(op, Chunk):
             engine.set_prefill_step(op.tokens)
+        elif isinstance(op, ScoreChunk):
+            engine.set_score_step(op.tokens)
         else:
             engine.cancel_all()
 

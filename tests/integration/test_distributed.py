@@ -79,6 +79,25 @@ def test_a_grammar_row_stays_in_step(group: tuple[Router, list[Proc]], router: R
     assert all(r.popen.poll() is None for r in ranks)
 
 
+def test_a_scored_prompt_stays_in_step(group: tuple[Router, list[Proc]], router: Router) -> None:
+    """A prompt scored for its logprobs runs its scoring forwards on every rank, in chunks
+    rank 0 chose (recorded like the prefill chunk): the group neither hangs nor parts."""
+    sharded, ranks = group
+    prompt = [70 + (i * 37) % 300 for i in range(300)]  # several scoring chunks
+
+    def scored(r: Router) -> tuple[str, list[float]]:
+        choice = r.client().completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0,
+                                               echo=True, logprobs=1).choices[0]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        return choice.text, choice.logprobs.token_logprobs[1:len(prompt)]
+
+    text, logprobs = scored(sharded)
+    single_text, single = scored(router)
+    assert text == single_text and len(logprobs) == len(prompt) - 1
+    assert all(abs(a - b) < 1e-3 for a, b in zip(logprobs, single))
+    assert all(r.popen.poll() is None for r in ranks)
+
+
 def test_a_followers_death_mid_stream_takes_the_group_down(group: tuple[Router, list[Proc]]) -> None:
     """Killed mid-step: rank 0's queued collectives (one or two a layer) would wait for
     ever on the dead ring, out of Python's reach, but for its watch on the ring's sockets."""

@@ -285,7 +285,7 @@ def test_a_scored_prompt_joins_from_its_scored_kv_and_answers_as_a_plain_one(eng
     from dataclasses import replace
 
     engine.set_prefill_step(64)
-    engine.score_step = 48
+    engine.set_score_step(48)
     prompt = list(range(3, 203))
     engine.add("plain", prompt, max_tokens=4, sampling=GREEDY)
     engine.add("scored", prompt, max_tokens=4, sampling=replace(GREEDY, prompt_logprobs=2))
@@ -311,7 +311,7 @@ def test_a_scored_prompt_joins_from_its_scored_kv_and_answers_as_a_plain_one(eng
 def test_a_row_cancelled_while_scoring_leaves_nothing(engine: Engine) -> None:
     from dataclasses import replace
 
-    engine.score_step = 16
+    engine.set_score_step(16)
     engine.add("scoring", list(range(3, 103)), max_tokens=2, sampling=replace(GREEDY, prompt_logprobs=0))
     engine.step()
     assert engine.running["scoring"].uid == NOT_IN_GENERATOR

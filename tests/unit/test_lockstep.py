@@ -11,17 +11,18 @@ import pytest
 
 from common.protocol import SamplingParams
 from worker.lockstep import (
-    Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, StepInputs, apply, decode_inputs,
+    Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, ScoreChunk, StepInputs, apply, decode_inputs,
     decode_shape, encode_inputs, encode_shape, with_seed,
 )
 
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logit_bias=[[3, -1.5]], seed=11,
-                         num_logprobs=2, grammar='{"grammars": []}', ignore_eos=True)
+                         num_logprobs=2, grammar='{"grammars": []}', ignore_eos=True, prompt_logprobs=3)
 
 
 def test_step_inputs_round_trip() -> None:
     inputs = StepInputs(ops=[Add("a", [1, 2, 3], 8, SamplingParams()),
-                             Add("b", [4], 2, SAMPLED, [1]), Chunk(64), Cancel("a"), CancelAll()],
+                             Add("b", [4], 2, SAMPLED, [1]), Chunk(64), ScoreChunk(48), ScoreChunk(0),
+                             Cancel("a"), CancelAll()],
                         step=True)
     assert decode_inputs(encode_inputs(inputs)) == inputs
 
@@ -39,6 +40,7 @@ def test_stop_without_step_round_trips() -> None:
     msgpack.packb({"ops": [["add", "a", ["x"], 2, {}, []]], "step": True, "stop": False}),
     msgpack.packb({"ops": [["add", "a", [1], 2, {"nope": 1}, []]], "step": True, "stop": False}),
     msgpack.packb({"ops": [["chunk", 0]], "step": True, "stop": False}),
+    msgpack.packb({"ops": [["score", -1]], "step": True, "stop": False}),
     msgpack.packb({"ops": [["launch"]], "step": True, "stop": False}),
 ])
 def test_bad_frames_raise_lockstep_error(body: bytes) -> None:
@@ -79,6 +81,9 @@ class FakeEngine:
     def set_prefill_step(self, tokens: int) -> None:
         self.calls.append(("chunk", tokens))
 
+    def set_score_step(self, tokens: int) -> None:
+        self.calls.append(("score", tokens))
+
     def cancel_all(self) -> list[str]:
         self.calls.append(("cancel_all",))
         return []
@@ -86,11 +91,11 @@ class FakeEngine:
 
 def test_apply_replays_in_rank_zeros_order() -> None:
     engine = FakeEngine()
-    frame = encode_inputs(StepInputs(ops=[Chunk(16), Add("a", [1, 2], 4, SAMPLED, [1]),
+    frame = encode_inputs(StepInputs(ops=[Chunk(16), Add("a", [1, 2], 4, SAMPLED, [1]), ScoreChunk(32),
                                           Cancel("a"), Add("b", [3], 1, SamplingParams()), CancelAll()]))
     apply(decode_inputs(frame).ops, engine)
-    assert engine.calls == [("chunk", 16), ("add", "a", [1, 2], 4, SAMPLED, [1]), ("cancel", "a"),
-                            ("add", "b", [3], 1, SamplingParams(), None), ("cancel_all",)]
+    assert engine.calls == [("chunk", 16), ("add", "a", [1, 2], 4, SAMPLED, [1]), ("score", 32),
+                            ("cancel", "a"), ("add", "b", [3], 1, SamplingParams(), None), ("cancel_all",)]
 
 
 def test_a_row_a_follower_dropped_alone_is_named_and_one_rank_0_dropped_too_is_not() -> None:
