@@ -132,6 +132,11 @@ def _clear_mlx_cache() -> None:
 class BlockStore:
     """The prefix cache's RAM tier of blocks, and the seam to their disk tier."""
 
+    # ``store`` takes a row's extracted caches unevaluated and evaluates them one layer at
+    # a time, copying out that layer's new blocks: the store's peak is one layer of the row
+    # (the extraction is a lazy copy of the batch's buffers) and one layer of new blocks.
+    copies_by_layer = True
+
     def __init__(self, *, fingerprint: str, num_layers: int, max_bytes: int, max_entries: int,
                  disk: BlockDisk | None = None, clear: Callable[[], None] = _clear_mlx_cache,
                  budget_share: float | None = None) -> None:
@@ -308,20 +313,20 @@ class BlockStore:
             self._touch([b for _, _, _, b in plan if b is not None] or self._covering(ids))
             return False
         new_bytes = estimate_bytes * new // num_tokens
-        # The extraction (``estimate_bytes``) and one layer of new blocks at a time (``store``).
-        peak = estimate_bytes + new_bytes // max(1, self.num_layers)
+        # One layer of the extraction (``estimate_bytes``) and of the new blocks at a time.
+        peak = (estimate_bytes + new_bytes) // max(1, self.num_layers)
         if new_bytes > self.max_bytes or not self.room(peak):
             self.num_skipped += 1
             return False
         return True
 
     def store(self, tokens: Sequence[int], cache: list[Any], *, keep: bool = False) -> bool:
-        """Keep the blocks of one row's caches (arrays evaluated) that are not held yet.
-        ``keep``: a conversation's latest state, written to disk now. False when skipped.
+        """Keep the blocks of one row's caches that are not held yet. ``keep``: a
+        conversation's latest state, written to disk now. False when skipped.
 
-        The new blocks are copied out one layer at a time, and each layer of ``cache`` is
-        let go as soon as its blocks are made (the caller's caches are emptied): the store's
-        peak is the extraction and one layer of new blocks, not twice the extraction."""
+        ``cache`` may be unevaluated (a lazy extraction from the batch): each layer is
+        evaluated as its new blocks are copied out, then let go (the caller's caches are
+        emptied), so the store's peak is one layer of the row and of its new blocks."""
         self._settle()
         ids = np.asarray(tokens, dtype=np.int32)
         n = len(ids)

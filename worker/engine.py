@@ -404,11 +404,13 @@ class Engine:
             self._store(tokens, cache, keep=True)
 
     def _store(self, tokens: list[int] | None, cache: list[Any], *, keep: bool, asked: bool = False) -> None:
-        """Evaluate one row's extracted caches (its own buffers, so the batch's can go) and
-        hand them to the prefix cache; a copy the gate has no room for is never made."""
+        """Hand one row's extracted caches to the prefix cache, evaluated (their own buffers,
+        so the batch's can go): here, or by the block store one layer at a time as it copies
+        out its new blocks. A copy the gate has no room for is never made."""
         if self.cache is None or not tokens or (not asked and not self._wants(len(tokens), tokens)):
             return
-        mx.eval([c.state for c in cache])
+        if not self.cache.copies_by_layer:
+            mx.eval([c.state for c in cache])
         self.cache.store(list(tokens), cache, keep=keep)
 
     def _next_prefill(self) -> list[Running]:

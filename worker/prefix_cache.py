@@ -158,6 +158,10 @@ def _clear_mlx_cache() -> None:
 class PrefixCache:
     """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
 
+    # An entry keeps the row's extracted caches whole: the engine evaluates them before
+    # ``store`` (the block store copies its blocks out of them one layer at a time).
+    copies_by_layer = False
+
     def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
                  clear: Callable[[], None] = _clear_mlx_cache, budget_share: float | None = None) -> None:
         self.max_bytes = max_bytes

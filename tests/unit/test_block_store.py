@@ -346,3 +346,27 @@ def test_random_stores_hits_and_evictions_keep_the_ledger_exact(seed: int) -> No
     assert store.ledger().promised_bytes == 0
     store.evict(10**12, "admission")
     assert store.ledger().resident_bytes == 0
+
+
+def test_a_lazy_extraction_is_copied_out_one_layer_at_a_time() -> None:
+    """The store's peak: the new blocks and one layer of the row's extraction (evaluating
+    the whole extraction first would hold the row twice)."""
+    layers, heads, dim, n, pad = 8, 4, 64, 3 * B, 10
+    batch = [(mx.random.normal((2, heads, n + pad, dim)), mx.random.normal((2, heads, n + pad, dim)))
+             for _ in range(layers)]
+    mx.eval(batch)
+    row = []
+    for k, v in batch:  # as mlx-lm extracts a row from the batch: a lazy contiguous copy
+        c = KVCache()
+        c.keys, c.values, c.offset = mx.contiguous(k[1:2, :, pad:]), mx.contiguous(v[1:2, :, pad:]), n
+        row.append(c)
+    store = BlockStore(fingerprint=FP, num_layers=layers, max_bytes=1 << 32, max_entries=8, clear=lambda: None)
+    one_layer = 2 * heads * n * dim * 4
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    assert store.store(seq(n), row)
+    assert all(c.keys is None for c in row)  # the extraction is let go
+    held = mx.get_active_memory() - before
+    assert held == store.ledger().resident_bytes == layers * one_layer
+    assert mx.get_peak_memory() - before <= held + one_layer
