@@ -80,12 +80,7 @@ def inspect(path: Path, fingerprint: str) -> BlockFile:
     if name is None:
         raise CorruptFile("not a block file name")
     metadata, data_bytes, file_bytes = fmt.parse_header(path, META_PREFIX)
-    if metadata.get("format") != BLOCK_FORMAT:
-        raise CorruptFile("not a Headroom block file of this format")
-    if metadata.get("fingerprint") != fingerprint:
-        raise CorruptFile(f"another model's (fingerprint {metadata.get('fingerprint')!r})")
-    if metadata.get("mlx_lm") != mlx_lm.__version__:
-        raise CorruptFile(f"written by mlx-lm {metadata.get('mlx_lm')!r}")
+    fmt.check_origin(metadata, BLOCK_FORMAT, fingerprint, prefix="")
     parent = metadata.get("parent") or ""
     if not re.fullmatch(r"[0-9a-f]{32}", parent) or not (metadata.get("layers") or "").isdigit():
         raise CorruptFile("incomplete metadata")

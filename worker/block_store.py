@@ -50,7 +50,7 @@ from common.costmodel import KV_STEP_TOKENS
 from worker.block_disk import BlockDisk
 from worker.block_format import BlockFile, LayerKV, block_key, kv_nbytes, root_key
 from worker.gate import CacheLedger
-from worker.prefix_cache import MIN_REUSE_TOKENS, EvictReason, common_prefix
+from worker.prefix_cache import MIN_REUSE_TOKENS, CacheTiers, EvictReason, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
-class BlockStore:
+class BlockStore(CacheTiers):
     """The prefix cache's RAM tier of blocks, and the seam to their disk tier."""
 
     # ``store`` takes a row's extracted caches unevaluated and evaluates them one layer at
@@ -140,14 +140,11 @@ class BlockStore:
     def __init__(self, *, fingerprint: str, num_layers: int, max_bytes: int, max_entries: int,
                  disk: BlockDisk | None = None, clear: Callable[[], None] = _clear_mlx_cache,
                  budget_share: float | None = None) -> None:
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, disk=disk, clear=clear,
+                         budget_share=budget_share)
+        self.disk: BlockDisk | None = disk
         self.fingerprint = fingerprint
         self.num_layers = num_layers
-        self.max_bytes = max_bytes
-        self.budget_share = budget_share
-        self.max_entries = max_entries
-        self.disk = disk
-        self._clear = clear
-        self.room: Callable[[int], bool] = lambda nbytes: True
         self.root = Block(root_key(fingerprint), None, np.zeros(0, np.int32), 0)
         self._blocks: dict[str, Block] = {}
         self._ram: dict[str, Block] = {}
@@ -155,25 +152,12 @@ class BlockStore:
         self._promised_bytes = 0            # RAM blocks with holders, each once
         self._disk_bytes = 0
         self._spilled: dict[str, int] = {}  # gone from RAM, arrays held by the writer
-        self._clock = 0
-        self.num_hits = self.num_misses = self.num_cached_tokens = 0
-        self.num_stores = self.num_skipped = 0
-        self.hits_by_kind: dict[str, int] = {}
-        self.evictions: dict[str, int] = {}
         self.disk_counts = dict.fromkeys(("hits", "misses", "writes", "written_bytes", "corrupt",
                                           "missing", "evictions", "write_errors"), 0)
         if disk is not None:
             self._rebuild()
 
     # -- the loop's and the gate's view ------------------------------------------------
-
-    def engine_busy(self, busy: bool) -> None:
-        if self.disk is not None:
-            self.disk.engine_busy(busy)
-
-    def hurry(self) -> None:
-        if self.disk is not None:
-            self.disk.hurry()
 
     def ledger(self) -> CacheLedger:
         self._settle()
@@ -184,14 +168,6 @@ class BlockStore:
         pending = sum(n for k, n in self._spilled.items() if k in writing)
         return CacheLedger(resident_bytes=self._ram_bytes, promised_bytes=self._promised_bytes,
                            writing_bytes=unwritten, pending_bytes=pending)
-
-    def follow_budget(self, budget_bytes: int) -> None:
-        """The budget moved: a bound that is a share of it moves too, evicting what is over."""
-        if self.budget_share is None:
-            return
-        self.max_bytes = int(budget_bytes * self.budget_share)
-        if self._ram_bytes > self.max_bytes:
-            self.evict(self._ram_bytes - self.max_bytes, "limit")
 
     def evict(self, nbytes: int, reason: str) -> int:
         """Give back RAM blocks no request holds, least recently used leaves first, until
@@ -237,15 +213,6 @@ class BlockStore:
         kind = "disk" if restored else "trimmed" if last_use < len(chain[-1].ids) else "prefix"
         return Hit(chain, tokens, kind, _assemble(parts, tokens),  # type: ignore[arg-type]
                    join_bytes=used * (2 if len(chain) > 1 else 1))
-
-    def record(self, hit: Hit | None) -> None:
-        """Count a lookup whose request was admitted (one the gate sent back is asked again)."""
-        if hit is None:
-            self.num_misses += 1
-            return
-        self.num_hits += 1
-        self.num_cached_tokens += hit.tokens
-        self.hits_by_kind[hit.kind] = self.hits_by_kind.get(hit.kind, 0) + 1
 
     def release(self, hit: Hit) -> None:
         for b in hit.blocks:
@@ -622,14 +589,12 @@ class BlockStore:
                     "dropped": self.disk.num_dropped, **self.disk_counts}
             disk["write_errors"] += self.disk.num_errors
         return {
-            "enabled": True, "hits": self.num_hits, "misses": self.num_misses,
-            "cached_tokens": self.num_cached_tokens, "stores": self.num_stores,
+            "enabled": True, **self.counts.report(), "stores": self.num_stores,
             "skipped_stores": self.num_skipped, "entries": ram_leaves,
             "ram_bytes": ledger.resident_bytes, "max_bytes": self.max_bytes,
             "max_entries": self.max_entries, "evictable_bytes": ledger.evictable_bytes,
             "promised_bytes": ledger.promised_bytes, "writing_bytes": ledger.writing_bytes,
-            "pending_bytes": ledger.pending_bytes, "hits_by_kind": dict(self.hits_by_kind),
-            "evictions": dict(self.evictions),
+            "pending_bytes": ledger.pending_bytes, "evictions": dict(self.evictions),
             "blocks": {"block_tokens": BLOCK_TOKENS, "held": len(self._blocks), "ram": len(self._ram),
                        "disk": disk["blocks"] if disk else 0, "shared": shared,
                        "shared_bytes": shared_bytes,
@@ -645,7 +610,3 @@ class BlockStore:
             leaves[b.key] = max(1, sum(leaves.get(c.key, 0) for c in b.children.values()))
         shared = [b for b in self._blocks.values() if leaves[b.key] > 1]
         return len(shared), sum(b.nbytes for b in shared)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        if self.disk is not None:
-            self.disk.close() if timeout_s is None else self.disk.close(timeout_s)

@@ -289,16 +289,22 @@ def parse_header(path: Path, meta_prefix: str = META_PREFIX) -> tuple[dict[str, 
 
 def check_metadata(metadata: dict[str, str], fingerprint: str) -> tuple[np.ndarray, bool]:
     """(token ids, is trimmable) when the file is ours, of this model and this mlx-lm."""
-    if metadata.get("headroom_format") != FORMAT_VERSION:
-        raise CorruptFile("not a Headroom prompt cache file of this format")
-    if metadata.get("headroom_fingerprint") != fingerprint:
-        raise CorruptFile(f"another model's (fingerprint {metadata.get('headroom_fingerprint')!r})")
-    if metadata.get("headroom_mlx_lm") != mlx_lm.__version__:
-        raise CorruptFile(f"written by mlx-lm {metadata.get('headroom_mlx_lm')!r}")
+    check_origin(metadata, FORMAT_VERSION, fingerprint, prefix="headroom_")
     ids = decode_ids(metadata.get("headroom_tokens"))
     if ids.size == 0 or metadata.get("headroom_trimmable") not in ("0", "1"):
         raise CorruptFile("incomplete metadata")
     return ids, metadata["headroom_trimmable"] == "1"
+
+
+def check_origin(metadata: dict[str, str], version: str, fingerprint: str, *, prefix: str) -> None:
+    """Raises CorruptFile unless the header says: ours, this format ``version``, this model,
+    this mlx-lm (``prefix``: how the header names our fields)."""
+    if metadata.get(f"{prefix}format") != version:
+        raise CorruptFile("not a Headroom prompt cache file of this format")
+    if metadata.get(f"{prefix}fingerprint") != fingerprint:
+        raise CorruptFile(f"another model's (fingerprint {metadata.get(f'{prefix}fingerprint')!r})")
+    if metadata.get(f"{prefix}mlx_lm") != mlx_lm.__version__:
+        raise CorruptFile(f"written by mlx-lm {metadata.get(f'{prefix}mlx_lm')!r}")
 
 
 def touch(path: Path) -> None:

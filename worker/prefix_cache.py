@@ -110,6 +110,28 @@ class Hit:
         return self.entry.nbytes
 
 
+@dataclass(slots=True)
+class HitCounts:
+    """Lookups whose requests were admitted: hits by kind, misses, tokens served."""
+
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def record(self, hit: Any) -> None:
+        if hit is None:
+            self.misses += 1
+            return
+        self.hits += 1
+        self.cached_tokens += hit.tokens
+        self.by_kind[hit.kind] = self.by_kind.get(hit.kind, 0) + 1
+
+    def report(self) -> dict[str, Any]:
+        return {"hits": self.hits, "misses": self.misses, "cached_tokens": self.cached_tokens,
+                "hits_by_kind": dict(self.by_kind)}
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -155,15 +177,12 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
-class PrefixCache:
-    """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
+class CacheTiers:
+    """What both prefix caches do alike (whole entries here, blocks in block_store.py): tell
+    the disk tier about the engine, count lookups, follow the budget, close."""
 
-    # An entry keeps the row's extracted caches whole: the engine evaluates them before
-    # ``store`` (the block store copies its blocks out of them one layer at a time).
-    copies_by_layer = False
-
-    def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
-                 clear: Callable[[], None] = _clear_mlx_cache, budget_share: float | None = None) -> None:
+    def __init__(self, *, max_bytes: int, max_entries: int, disk: Any,
+                 clear: Callable[[], None], budget_share: float | None) -> None:
         self.max_bytes = max_bytes
         # Set when max_bytes is a share of the budget (no --prompt-cache-bytes): it then
         # follows the budget when the router moves this worker's limit.
@@ -173,17 +192,17 @@ class PrefixCache:
         self._clear = clear
         # Asked before a store or a disk restore: may this many bytes more be held now?
         self.room: Callable[[int], bool] = lambda nbytes: True
-        self.entries: list[Entry] = []
         self._clock = 0
-        self.num_hits = 0
-        self.num_misses = 0
-        self.num_cached_tokens = 0
+        self.counts = HitCounts()
         self.num_stores = 0
         self.num_skipped = 0
-        self.hits_by_kind: dict[str, int] = {}
         self.evictions: dict[str, int] = {}
-        # Entries gone from RAM whose disk write is queued: key -> bytes it keeps alive.
-        self._spilled: dict[str, int] = {}
+
+    def ledger(self) -> CacheLedger:
+        raise NotImplementedError
+
+    def evict(self, nbytes: int, reason: str) -> int:
+        raise NotImplementedError
 
     def engine_busy(self, busy: bool) -> None:
         """The worker's loop says whether the engine has work: the disk tier writes when not."""
@@ -194,6 +213,40 @@ class PrefixCache:
         """The gate wants memory the disk writer's queue holds: write it now."""
         if self.disk is not None:
             self.disk.hurry()
+
+    def record(self, hit: Any) -> None:
+        """Count a lookup whose request was admitted (one the gate sent back is asked again)."""
+        self.counts.record(hit)
+
+    def follow_budget(self, budget_bytes: int) -> None:
+        """The budget moved: a bound that is a share of it moves too, evicting what is over."""
+        if self.budget_share is None:
+            return
+        self.max_bytes = int(budget_bytes * self.budget_share)
+        over = self.ledger().resident_bytes - self.max_bytes
+        if over > 0:
+            self.evict(over, "limit")
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the disk tier's writer, writing what is queued within ``timeout_s``."""
+        if self.disk is not None:
+            self.disk.close() if timeout_s is None else self.disk.close(timeout_s)
+
+
+class PrefixCache(CacheTiers):
+    """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
+
+    # An entry keeps the row's extracted caches whole: the engine evaluates them before
+    # ``store`` (the block store copies its blocks out of them one layer at a time).
+    copies_by_layer = False
+
+    def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
+                 clear: Callable[[], None] = _clear_mlx_cache, budget_share: float | None = None) -> None:
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, disk=disk, clear=clear,
+                         budget_share=budget_share)
+        self.entries: list[Entry] = []
+        # Entries gone from RAM whose disk write is queued: key -> bytes it keeps alive.
+        self._spilled: dict[str, int] = {}
 
     # -- the gate's view -------------------------------------------------------------
 
@@ -216,15 +269,6 @@ class PrefixCache:
             if e.disk_key is not None and e.disk_key not in writing:
                 e.disk_key = None
         return writing
-
-    def follow_budget(self, budget_bytes: int) -> None:
-        """The budget moved: a bound that is a share of it moves too, evicting what is over."""
-        if self.budget_share is None:
-            return
-        self.max_bytes = int(budget_bytes * self.budget_share)
-        over = self.ledger().resident_bytes - self.max_bytes
-        if over > 0:
-            self.evict(over, "limit")
 
     def evict(self, nbytes: int, reason: str) -> int:
         """Evict entries no request holds, least recently used first, until ``nbytes`` are
@@ -263,15 +307,6 @@ class PrefixCache:
         hit.entry.used_at = self._clock
         hit.entry.holders += 1
         return hit
-
-    def record(self, hit: Hit | None) -> None:
-        """Count a lookup whose request was admitted (one the gate sent back is asked again)."""
-        if hit is None:
-            self.num_misses += 1
-            return
-        self.num_hits += 1
-        self.num_cached_tokens += hit.tokens
-        self.hits_by_kind[hit.kind] = self.hits_by_kind.get(hit.kind, 0) + 1
 
     def release(self, hit: Hit) -> None:
         """The hit's row joined the batch (its copy is made) or was dropped: the entry is
@@ -405,18 +440,11 @@ class PrefixCache:
         ledger = self.ledger()
         ram = {"entries": len(self.entries), "bytes": ledger.resident_bytes}
         return {
-            "enabled": True, "hits": self.num_hits, "misses": self.num_misses,
-            "cached_tokens": self.num_cached_tokens, "stores": self.num_stores,
+            "enabled": True, **self.counts.report(), "stores": self.num_stores,
             "skipped_stores": self.num_skipped, "entries": len(self.entries),
             "ram_bytes": ledger.resident_bytes, "max_bytes": self.max_bytes,
             "max_entries": self.max_entries, "evictable_bytes": ledger.evictable_bytes,
             "promised_bytes": ledger.promised_bytes, "writing_bytes": ledger.writing_bytes,
-            "pending_bytes": ledger.pending_bytes, "hits_by_kind": dict(self.hits_by_kind),
-            "evictions": dict(self.evictions),
+            "pending_bytes": ledger.pending_bytes, "evictions": dict(self.evictions),
             "tiers": {"ram": ram, "disk": self.disk.stats() if self.disk is not None else None},
         }
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Stop the disk tier's writer, writing what is queued within ``timeout_s``."""
-        if self.disk is not None:
-            self.disk.close() if timeout_s is None else self.disk.close(timeout_s)

@@ -77,6 +77,22 @@ def flush(store: BlockStore) -> None:
     store.ledger()  # takes the finished writes in
 
 
+def written(tmp: Path, tokens: list[int], fingerprint: str = FP) -> Path:
+    """A store's disk tier left holding ``tokens`` (written, closed); its blocks folder."""
+    store = BlockStore(fingerprint=fingerprint, num_layers=LAYERS, max_bytes=1 << 30, max_entries=8,
+                       disk=BlockDisk(tmp, fingerprint, 1 << 30), clear=lambda: None)
+    put(store, tokens, keep=True)
+    flush(store)
+    store.close()
+    return tmp / fingerprint / "blocks"
+
+
+def block_file(folder: Path, first_token: int) -> Path:
+    """The block file whose ids start with ``first_token``."""
+    (path,) = [p for p in folder.glob("b-*") if bfmt.inspect(p, FP).ids[0] == first_token]
+    return path
+
+
 def test_only_plain_kv_caches_are_blocks() -> None:
     assert blockable(row(seq(20)))
     assert not blockable([])
@@ -204,14 +220,10 @@ def test_only_new_blocks_are_written_and_a_restart_finds_them(tmp_path: Path) ->
 
 
 def test_a_damaged_block_is_removed_counted_and_never_loaded(tmp_path: Path) -> None:
-    store = make(tmp_path)
     tokens = seq(3 * B)
-    put(store, tokens, keep=True)
-    flush(store)
-    store.close()
-    files = sorted((tmp_path / FP / "blocks").glob("b-*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
-    assert len(files) == 3
-    second = [p for p in files if bfmt.inspect(p, FP).ids[0] == tokens[B]][0]
+    folder = written(tmp_path, tokens)
+    assert len(list(folder.glob("b-*.safetensors"))) == 3
+    second = block_file(folder, tokens[B])
     data = bytearray(second.read_bytes())
     data[-5] ^= 0xFF  # a flipped byte in its arrays: the header is intact
     second.write_bytes(bytes(data))
@@ -226,14 +238,9 @@ def test_a_damaged_block_is_removed_counted_and_never_loaded(tmp_path: Path) -> 
 
 
 def test_foreign_and_orphaned_files_are_removed_at_start(tmp_path: Path) -> None:
-    store = make(tmp_path)
     tokens = seq(2 * B)
-    put(store, tokens, keep=True)
-    flush(store)
-    store.close()
-    blocks = tmp_path / FP / "blocks"
-    first = [p for p in blocks.glob("b-*") if bfmt.inspect(p, FP).ids[0] == tokens[0]][0]
-    first.unlink()  # its child cannot be reached any more
+    blocks = written(tmp_path, tokens)
+    block_file(blocks, tokens[0]).unlink()  # its child cannot be reached any more
     (blocks / "b-0123456789abcdef0123456789abcdef-00000000.safetensors").write_bytes(b"not ours")
     again = make(tmp_path)
     assert again.report()["tiers"]["disk"]["blocks"] == 0
@@ -243,12 +250,7 @@ def test_foreign_and_orphaned_files_are_removed_at_start(tmp_path: Path) -> None
 
 
 def test_another_models_block_is_removed_and_counted(tmp_path: Path) -> None:
-    other = BlockStore(fingerprint="other-model", num_layers=LAYERS, max_bytes=1 << 30, max_entries=8,
-                       disk=BlockDisk(tmp_path, "other-model", 1 << 30), clear=lambda: None)
-    put(other, seq(B), keep=True)
-    flush(other)
-    other.close()
-    (theirs,) = (tmp_path / "other-model" / "blocks").glob("b-*")
+    (theirs,) = written(tmp_path, seq(B), "other-model").glob("b-*")
     ours = tmp_path / FP / "blocks"
     ours.mkdir(parents=True)
     (ours / theirs.name).write_bytes(theirs.read_bytes())  # a valid file, of another model
