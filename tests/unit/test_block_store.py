@@ -372,3 +372,30 @@ def test_a_lazy_extraction_is_copied_out_one_layer_at_a_time() -> None:
     held = mx.get_active_memory() - before
     assert held == store.ledger().resident_bytes == layers * one_layer
     assert mx.get_peak_memory() - before <= held + one_layer
+
+
+def test_boot_keeps_blocks_for_plain_kv_and_whole_entries_for_caches_that_cannot_be_cut(tmp_path: Path) -> None:
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    from common.config import WorkerConfig
+    from common.costmodel import CostModel
+    from worker.boot import make_prefix_cache
+    from worker.disk_cache import DiskTier, from_options
+    from worker.prefix_cache import PrefixCache
+
+    cfg = WorkerConfig(model="demo", router="ipc:///tmp/nobody")
+    model = CostModel(kv_bytes_per_token=4096, num_layers=2, prefill_a_bytes=0.0, prefill_c_bytes=0.0,
+                      growth_factor=1.0, budget_bytes=1 << 30, context_length=4096,
+                      prefill_step_tokens=512, prefill_batch_size=8)
+
+    def disk_for(max_pending_bytes: int, make: type) -> Any:
+        return from_options(disk_bytes=1 << 30, fingerprint=FP, env={}, root=tmp_path,
+                            max_pending_bytes=max_pending_bytes, make=make)
+
+    for layers, kind, disk in (([KVCache(), KVCache()], BlockStore, BlockDisk),
+                               ([RotatingKVCache(max_size=64), KVCache()], PrefixCache, DiskTier),
+                               ([ArraysCache(2), KVCache()], PrefixCache, DiskTier)):
+        cache = make_prefix_cache(cfg, model, fingerprint=FP, num_layers=len(layers),
+                                  blocks=blockable(layers), disk_for=disk_for)
+        assert type(cache) is kind and type(cache.disk) is disk and cache.max_bytes == 1 << 29
+        cache.close()
