@@ -26,7 +26,7 @@ from worker.distributed import LockstepEngine, lead_probe
 from worker.engine import Engine
 from worker.loader import LoadedModel
 from worker.memory import DeviceProbe, MemoryState, ModelShape, static_cost_model
-from worker.prefix_cache import DEFAULT_BUDGET_SHARE, PrefixCache
+from worker.prefix_cache import DEFAULT_BUDGET_SHARE, CacheTiers, PrefixCache
 from worker.server import ServerOptions, WorkerServer
 from worker.shape import make_grammars, model_shape
 from worker.warmup import refill, warm_up
@@ -184,7 +184,7 @@ def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any)
 
 def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel, *, fingerprint: str = "",
                       num_layers: int = 0, blocks: bool = False,
-                      disk_for: Callable[[int, type], Any] = lambda *_: None) -> PrefixCache | BlockStore | None:
+                      disk_for: Callable[[int, type], Any] = lambda *_: None) -> CacheTiers | None:
     """The RAM tier, over the disk tier ``disk_for(max_pending_bytes, its class)`` makes, if
     any (``--no-prompt-cache`` turns both off): KV blocks shared across sequences
     (``worker/block_store.py``) where the model's caches can be cut by tokens, else whole

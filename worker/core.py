@@ -31,7 +31,7 @@ from worker.gate import EngineView, MemoryGate, is_memory_error
 from worker.grammar import GrammarCompiler
 from worker.memory import MemoryState
 from worker.pacer import ChunkPacer
-from worker.prefix_cache import PrefixCache
+from worker.prefix_cache import CacheTiers
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class WorkerCore:
     """Admission, steps, error triage and what to publish; knows nothing of sockets."""
 
     def __init__(self, opts: CoreOptions, engine: Engine, memory: MemoryState,
-                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cache: CacheTiers | None = None) -> None:
         self.opts = opts
         self.engine = engine
         self.memory = memory

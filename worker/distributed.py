@@ -44,7 +44,7 @@ from worker.lockstep import (
     MAX_INPUTS_BYTES, Add, Cancel, CancelAll, Chunk, EngineShape, LockstepError, Op, ScoreChunk, StepInputs,
     apply, decode_inputs, decode_shape, dropped_alone, encode_inputs, encode_shape, with_seed,
 )
-from worker.prefix_cache import Hit
+from worker.prefix_cache import Reuse
 from worker.shape import make_grammars
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class LockstepEngine(Engine):
                                                   prefill_batch_size, max_batch_size)))
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
-            sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
+            sampling: SamplingParams = SamplingParams(), hit: Reuse | None = None,
             boundaries: list[int] | None = None) -> None:
         if hit is not None:
             raise LockstepError("the prefix cache is not supported over a distributed group")

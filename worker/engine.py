@@ -39,7 +39,7 @@ from common import costmodel
 from common.protocol import SamplingParams
 from worker.containment import RowFailures
 from worker.grammar import GrammarCompiler
-from worker.prefix_cache import Hit, PrefixCache
+from worker.prefix_cache import CacheTiers, Reuse
 from worker.sampling import logprob_rows, make_processors, make_sampler
 from worker.scoring import PromptLogprob, PromptScorer
 
@@ -77,7 +77,7 @@ class Running:
     prefilled: int = 0          # prompt tokens processed after the cached ones (``progress``)
     decoding: bool = False      # the prompt is done (``end_of_prompt``)
     cached_tokens: int = 0      # prompt tokens that came from the prefix cache
-    hit: Hit | None = None      # the cache entry it holds until it joins the batch
+    hit: Reuse | None = None    # the cached blocks or entry it holds until it joins the batch
     prompt_ids: list[int] | None = None     # kept while boundaries are left to store
     boundaries: list[int] | None = None     # message ends still to store, ascending
     scorer: PromptScorer | None = None      # its prompt's logprobs, until the row joins the batch
@@ -132,7 +132,7 @@ class Engine:
         self.last_chained_s = 0.0           # of the last step, spent in calls for first tokens
         self.score_step = 0                 # tokens of the next scoring chunk (the core's choice)
         self.last_scored_tokens = 0         # prompt tokens the last step scored
-        self.cache: PrefixCache | None = None
+        self.cache: CacheTiers | None = None
         self.kv_bytes_per_token = 0         # to charge an extraction before it is made
         # A cache that cannot trim (recurrent state) cannot serve an exact re-send from the
         # whole prompt: its prompt is also kept one token short.
@@ -159,7 +159,7 @@ class Engine:
         self.score_step = tokens
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
-            sampling: SamplingParams = SamplingParams(), hit: Hit | None = None,
+            sampling: SamplingParams = SamplingParams(), hit: Reuse | None = None,
             boundaries: list[int] | None = None) -> None:
         """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
         ``boundaries`` (message ends) cut the rest into segments whose KV is stored. One

@@ -177,9 +177,25 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
+class Reuse(Protocol):
+    """A prefix-cache hit as the engine and the gate see it (``Hit`` here, the block store's
+    ``Hit``): its first ``tokens`` come from ``views``; joining the batch costs ``nbytes``."""
+
+    tokens: int
+    kind: str
+    views: list[Any]
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class CacheTiers:
-    """What both prefix caches do alike (whole entries here, blocks in block_store.py): tell
-    the disk tier about the engine, count lookups, follow the budget, close."""
+    """The prefix cache as the engine, the core and the gate use it, and what both kinds do
+    alike (whole entries here, blocks in worker/block_store.py): tell the disk tier about
+    the engine, count lookups, follow the budget, close."""
+
+    # Does ``store`` take a row's extraction unevaluated (and evaluate it as it copies)?
+    copies_by_layer = False
 
     def __init__(self, *, max_bytes: int, max_entries: int, disk: Any,
                  clear: Callable[[], None], budget_share: float | None) -> None:
@@ -202,6 +218,21 @@ class CacheTiers:
         raise NotImplementedError
 
     def evict(self, nbytes: int, reason: str) -> int:
+        raise NotImplementedError
+
+    def lookup(self, prompt: Sequence[int], restore_room: Callable[..., bool] | None = None) -> Reuse | None:
+        raise NotImplementedError
+
+    def release(self, hit: Any) -> None:
+        raise NotImplementedError
+
+    def wants(self, num_tokens: int, prompt: Sequence[int], estimate_bytes: int) -> bool:
+        raise NotImplementedError
+
+    def store(self, tokens: Sequence[int], cache: list[Any], *, keep: bool = False) -> bool:
+        raise NotImplementedError
+
+    def report(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def engine_busy(self, busy: bool) -> None:
@@ -235,10 +266,6 @@ class CacheTiers:
 
 class PrefixCache(CacheTiers):
     """The RAM tier: LRU entries by token ids, bounded in bytes and entries."""
-
-    # An entry keeps the row's extracted caches whole: the engine evaluates them before
-    # ``store`` (the block store copies its blocks out of them one layer at a time).
-    copies_by_layer = False
 
     def __init__(self, *, max_bytes: int, max_entries: int, disk: DiskTier | None = None,
                  clear: Callable[[], None] = _clear_mlx_cache, budget_share: float | None = None) -> None:

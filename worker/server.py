@@ -31,7 +31,7 @@ from common.protocol import (
 from worker.core import CoreOptions, WorkerCore
 from worker.engine import Engine
 from worker.memory import MemoryState
-from worker.prefix_cache import PrefixCache
+from worker.prefix_cache import CacheTiers
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class WorkerServer:
     """Receive frames for the core, run its steps, send what it publishes."""
 
     def __init__(self, opts: ServerOptions, engine: Engine, memory: MemoryState, hello: Hello,
-                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cache: CacheTiers | None = None) -> None:
         self.opts = opts
         self.hello = hello
         self.core = WorkerCore(CoreOptions(incarnation=opts.incarnation, oom_guard=opts.oom_guard,
