@@ -84,7 +84,7 @@ def chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str
 
 
 def conversation(url: str, pid: int, encode: Any, args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random()
+    rng = random.Random(args.seed)
     messages = [{"role": "system", "content": make_prompt(encode, f"conv{rng.random()}", args.system_tokens, rng).text}]
     written0 = wchar(pid)
     ttfts: list[float] = []
@@ -110,7 +110,7 @@ def conversation(url: str, pid: int, encode: Any, args: argparse.Namespace) -> d
 
 
 def shared(url: str, encode: Any, args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random()
+    rng = random.Random(None if args.seed is None else args.seed + 1)
     system = make_prompt(encode, f"shared{rng.random()}", args.shared_tokens, rng).text
     before = settled(url)["prompt_cache"]["ram_bytes"]
     kv_per_token = worker_report(url)["kv_bytes_per_token"]
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chats", type=int, default=6)
     p.add_argument("--shared-tokens", type=int, default=1600)
+    p.add_argument("--seed", type=int, help="the prompts' words (each run has its own cache "
+                   "folder, so a seed only makes two checkouts' runs send the same prompts)")
     p.add_argument("--out", type=Path, help="write the JSON here too")
     args = p.parse_args(argv)
     from mlx_lm.utils import load_tokenizer
