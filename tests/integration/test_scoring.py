@@ -197,7 +197,7 @@ def test_scoring_requests_are_admitted_by_the_same_rules_under_a_tight_limit(rou
     # Scoring requests that do not all fit at once wait in the router's queue, and every one
     # is answered; the worker, whose guard aborts on a peak above the limit, never does.
     bodies = [{"prompt": [71 + i] * 400, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
-              for i in range(6)]
+              for i in range(4)]
     watcher = Watcher(router)
     watcher.start()
     try:
