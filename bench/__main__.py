@@ -81,6 +81,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="extra mlx-router argument (repeat; e.g. --headroom-arg=--log-level=warning)")
     p.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG",
                    help="extra mlx_lm.server argument (repeat; e.g. --mlx-lm-arg=--prompt-cache-size=10)")
+    p.add_argument("--peer-memory-limit-mb", type=int, default=None,
+                   help="bound the in-process peer's MLX memory (and a quarter of it for its "
+                        "buffer cache): on a shared GPU, give it Headroom's --memory-limit-mb")
     p.add_argument("--touch", action="store_true",
                    help="send every system one 2-token request right before each measured workload "
                         "(keeps idle-time effects, e.g. a worker restart, out of the figures)")
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                       mixed_max_tokens=args.mixed_max_tokens, systems=args.systems,
                       startup_timeout_s=args.startup_timeout, workload_timeout_s=args.workload_timeout,
                       headroom_args=args.headroom_arg, mlx_lm_args=args.mlx_lm_arg,
-                      touch=args.touch, log_dir=args.keep_logs,
+                      peer_memory_limit_mb=args.peer_memory_limit_mb, touch=args.touch, log_dir=args.keep_logs,
                       command=shlex.join(["python", "-m", "bench", *raw]))
     try:
         doc = run_serve(cfg)

@@ -34,22 +34,29 @@ class _Live:
 class InProcessAgents:
     name = "inprocess"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, memory_limit_mb: int | None = None) -> None:
         self.folder = folder
+        self.memory_limit_mb = memory_limit_mb
         self.chat: Any = None
         self.startup_s: float | None = None
 
     def start(self, timeout_s: float) -> None:
         from bench.inprocess_chat import InProcessChat
 
+        from bench.systems import bound_mlx_memory
+
         started = time.monotonic()
+        bound_mlx_memory(self.memory_limit_mb)
         self.chat = InProcessChat(self.folder)
         self.startup_s = time.monotonic() - started
 
     def stop(self) -> None:
+        from bench.systems import release_mlx_memory
+
         if self.chat is not None:
             self.chat.close()
             self.chat = None
+        release_mlx_memory()
 
     def worker_restarts(self) -> int:
         return 0

@@ -149,7 +149,7 @@ def make_system(name: str, model_arg: str, folder: Path, run_dir: Path, args: An
         return Headroom(model_arg, run_dir, args.headroom_arg)
     if name == "mlx_lm_server":  # its prompt cache on, at its default size (the last flag wins)
         return MlxLmServer(folder, run_dir, args.max_tokens, ["--prompt-cache-size", "10", *args.mlx_lm_arg])
-    return InProcessAgents(folder)
+    return InProcessAgents(folder, args.peer_memory_limit_mb)
 
 
 def build_sessions(encode: Any, render_ids: Any, args: Any,
@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload-timeout", type=float, default=600.0, help="bounds each system's workload")
     p.add_argument("--headroom-arg", action="append", default=[], metavar="ARG")
     p.add_argument("--mlx-lm-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--peer-memory-limit-mb", type=int, default=None,
+                   help="bound the in-process peer's MLX memory (and a quarter of it for its "
+                        "buffer cache): on a shared GPU, give it Headroom's --memory-limit-mb")
     p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
                    help="keep the servers' logs under DIR (default: removed after a clean run)")
     ns = cli.parse(p, argv)

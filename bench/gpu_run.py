@@ -647,7 +647,7 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
     keep = Path(tempfile.mkdtemp(prefix="gpu-serve-logs-"))
     argv = [sys.executable, "-m", "bench", "serve", "--model", str(args.model_dir),
             "--json", str(args.out / "serve-bench.json"), "--keep-logs", str(keep),
-            f"--headroom-arg=--memory-limit-mb={limit_mb}",
+            f"--headroom-arg=--memory-limit-mb={limit_mb}", f"--peer-memory-limit-mb={limit_mb}",
             *(args.serve_args or defaults)]
     log.info("serve: %s", " ".join(argv))
     started = time.monotonic()
@@ -669,7 +669,8 @@ def part_agents(args: argparse.Namespace) -> dict[str, Any]:
     keep = Path(tempfile.mkdtemp(prefix="gpu-agents-logs-"))
     argv = [sys.executable, "-m", "bench", "agents", "--model", str(args.model_dir),
             "--json", str(args.out / "agents-bench.json"), "--keep-logs", str(keep),
-            f"--headroom-arg=--memory-limit-mb={limit_mb}", *args.serve_args]
+            f"--headroom-arg=--memory-limit-mb={limit_mb}", f"--peer-memory-limit-mb={limit_mb}",
+            *args.serve_args]
     log.info("agents: %s", " ".join(argv))
     started = time.monotonic()
     with open(args.out / "agents.txt", "w") as table, open(args.out / "logs.txt", "a") as logs:

@@ -55,6 +55,7 @@ class ServeConfig:
     workload_timeout_s: float = 300.0
     headroom_args: list[str] = field(default_factory=list)
     mlx_lm_args: list[str] = field(default_factory=list)
+    peer_memory_limit_mb: int | None = None
     touch: bool = False
     command: str = ""
     log_dir: Path | None = None         # keep the servers' logs here (default: a temp dir, removed)
@@ -247,7 +248,8 @@ def run_serve(cfg: ServeConfig) -> dict[str, Any]:
         for name in cfg.systems:
             system = make_system(name, model_arg=model_arg, folder=folder, run_dir=run_dir,
                                  max_tokens=cfg.max_tokens, headroom_args=cfg.headroom_args,
-                                 mlx_lm_args=cfg.mlx_lm_args)
+                                 mlx_lm_args=cfg.mlx_lm_args,
+                                 peer_memory_limit_mb=cfg.peer_memory_limit_mb)
             stack.callback(system.stop)  # registered before start: stopped even if start fails
             system.start(cfg.startup_timeout_s)
             systems.append(system)

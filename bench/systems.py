@@ -180,16 +180,41 @@ class MlxLmServer(HttpSystem):
                          {"model": "default_model"})
 
 
+def bound_mlx_memory(limit_mb: int | None) -> None:
+    """Bound the MLX of this process (the in-process peers run here): at most ``limit_mb``
+    in use, and a buffer cache of at most a quarter of it. On a shared GPU an unbounded
+    in-process peer kept what it had freed in MLX's buffer cache until the card was full
+    (the H200 on 2026-12-05: 6 GB left free, and Headroom's worker beside it hit real
+    out-of-memory errors under its own 20 GB limit)."""
+    import mlx.core as mx
+
+    if limit_mb:
+        mx.set_memory_limit(limit_mb << 20)
+        mx.set_cache_limit((limit_mb << 20) // 4)
+
+
+def release_mlx_memory() -> None:
+    """Give what an in-process peer freed back to the device before the next system runs."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+
+
 class InProcessSystem:
     name = "inprocess"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, memory_limit_mb: int | None = None) -> None:
         self.folder = folder
+        self.memory_limit_mb = memory_limit_mb
         self.engine: InProcess | None = None
         self.startup_s: float | None = None
 
     def start(self, timeout_s: float) -> None:
         started = time.monotonic()
+        bound_mlx_memory(self.memory_limit_mb)
         self.engine = InProcess(self.folder)
         self.startup_s = time.monotonic() - started
 
@@ -223,16 +248,18 @@ class InProcessSystem:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        release_mlx_memory()
 
 
 def make_system(name: str, *, model_arg: str, folder: Path, run_dir: Path, max_tokens: int,
-                headroom_args: list[str], mlx_lm_args: list[str]) -> System:
+                headroom_args: list[str], mlx_lm_args: list[str],
+                peer_memory_limit_mb: int | None = None) -> System:
     if name == "headroom":
         return Headroom(model_arg, run_dir, headroom_args)
     if name == "mlx_lm_server":
         return MlxLmServer(folder, run_dir, max_tokens, mlx_lm_args)
     if name == "inprocess":
-        return InProcessSystem(folder)
+        return InProcessSystem(folder, peer_memory_limit_mb)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
 
