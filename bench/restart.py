@@ -1,10 +1,13 @@
-"""Restart and stop timing on the demo model: ``python -m bench.restart [--root DIR]``.
+"""Restart and stop timing: ``python -m bench.restart [--root DIR] [--model M] [--idle-s S]``.
 
-A router on the demo model (from the checkout ``--root``, default this one), then, after
-1 s idle each, an operator restart (``POST /admin/workers/restart``) and a SIGKILL of the
-worker, twice: seconds until the old process is gone and until the new worker serves a
-completion; then a stop, and whether the router's log shows a kill or a heartbeat warning.
-Two checkouts run back to back on one machine give the before and after.
+A router on the demo model (or ``--model``, with ``--router-arg`` flags; from the checkout
+``--root``, default this one), then, after ``--idle-s`` (1 s) idle each, an operator
+restart (``POST /admin/workers/restart``) and a SIGKILL of the worker, twice: seconds until
+the old process is gone and until the new worker serves a completion, and the new worker's
+start by phase from its log (from a standby or a new process; imports, weights, tokenizer,
+calibration and boot, warm start); then a stop, and whether the router's log shows a kill
+or a heartbeat warning. Two checkouts run back to back on one machine give the before
+and after (an older checkout's log has no phases: they are left out).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +30,12 @@ from bench.procs import free_port, pid_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_S = 120.0
+# The worker's own account of its start (worker/__main__.py, worker/loader.py).
+START_LINE = re.compile(r"mlx-worker\[(?P<pid>\d+)\].*start to ready in (?P<total>[\d.]+) s \((?P<how>[^)]*)\): "
+                        r"imports (?P<imports>[\d.]+) s, model loaded in (?P<load>[\d.]+) s, "
+                        r"calibration and boot (?P<boot>[\d.]+) s, warm start (?P<warm>[\d.]+) s")
+LOAD_LINE = re.compile(r"mlx-worker\[(?P<pid>\d+)\].*loaded .*: weights (?P<weights>[\d.]+) s, "
+                       r"tokenizer (?P<tokenizer>[\d.]+) s")
 
 
 def _wait(what: str, predicate: Any, timeout_s: float) -> None:
@@ -36,13 +46,28 @@ def _wait(what: str, predicate: Any, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def measure(root: Path, run_dir: Path) -> dict[str, Any]:
+def phases(lines: list[str], pid: int) -> dict[str, Any]:
+    """Worker ``pid``'s start by phase, from its log lines (empty for an older checkout)."""
+    out: dict[str, Any] = {}
+    for line in lines:
+        if f"mlx-worker[{pid}]" not in line:
+            continue
+        if m := START_LINE.search(line):
+            out.update(how=m["how"], worker_ready_s=float(m["total"]), imports_s=float(m["imports"]),
+                       load_s=float(m["load"]), boot_s=float(m["boot"]), warm_start_s=float(m["warm"]))
+        elif m := LOAD_LINE.search(line):
+            out.update(weights_s=float(m["weights"]), tokenizer_s=float(m["tokenizer"]))
+    return out
+
+
+def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[str, ...] = (),
+            idle_s: float = 1.0) -> dict[str, Any]:
     port = free_port()
     env = dict(os.environ, XDG_RUNTIME_DIR=str(run_dir), HF_HUB_OFFLINE="1", PYTHONPATH=str(root))
     log_path = run_dir / "router.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "router", "--model", "demo", "--port", str(port),
-                                 "--api-key", "k", "--prompt-cache-dir", str(run_dir / "pc")],
+        proc = subprocess.Popen([sys.executable, "-m", "router", "--model", model, "--port", str(port),
+                                 "--api-key", "k", "--prompt-cache-dir", str(run_dir / "pc"), *router_args],
                                 cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k"}, timeout=60)
 
@@ -57,7 +82,7 @@ def measure(root: Path, run_dir: Path) -> dict[str, Any]:
         http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
         rows = []
         for how in ("restart", "sigkill", "restart", "sigkill"):
-            time.sleep(1.0)
+            time.sleep(idle_s)
             old = health()["workers"][0]["pid"]
             started = time.monotonic()
             if how == "restart":
@@ -75,13 +100,16 @@ def measure(root: Path, run_dir: Path) -> dict[str, Any]:
             _wait("restarted worker", serving, READY_S)
             status = http.post("/v1/completions", json={"model": "m", "prompt": "after", "max_tokens": 4}).status_code
             rows.append({"how": how, "old_gone_s": round(gone_s[0], 3) if gone_s else None,
-                         "serving_s": round(time.monotonic() - started, 2), "status": status})
+                         "serving_s": round(time.monotonic() - started, 2), "status": status,
+                         "pid": health()["workers"][0]["pid"]})
     finally:
         http.close()
         proc.terminate()
         proc.wait(30)
     lines = log_path.read_text(errors="replace").splitlines()
-    return {"root": str(root), "restarts": rows,
+    for row in rows:
+        row.update(phases(lines, row.pop("pid")))
+    return {"root": str(root), "model": model, "restarts": rows,
             "kills_in_log": sum("killing worker" in line for line in lines),
             # A SIGKILLed worker is sent a heartbeat or two before its exit is seen: only
             # those after a restart or the stop would be a normal stop's.
@@ -92,9 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose router runs")
+    p.add_argument("--model", default="demo", help="what the router serves (demo, a folder)")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="one more router flag, e.g. --router-arg=--memory-limit-mb=20797")
+    p.add_argument("--idle-s", type=float, default=1.0, help="idle seconds before each restart")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
-        print(json.dumps(measure(args.root.resolve(), Path(tmp)), indent=1))
+        print(json.dumps(measure(args.root.resolve(), Path(tmp), args.model, tuple(args.router_arg),
+                                 args.idle_s), indent=1))
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,15 +24,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("worker")
 
+# First argument of a standby (worker/standby.py): imports done, it waits on stdin for its
+# arguments. The router's supervisor spawns it; people never need it.
+STANDBY_FLAG = "--standby"
 
-def main(argv: Sequence[str] | None = None) -> int:
+
+def main(argv: Sequence[str] | None = None, *, started_at: float | None = None,
+         standby: bool = False) -> int:
+    """``started_at`` (wall clock) and ``standby``: when and how this start began, if not
+    with this process (``worker/standby.py`` calls main once told to go)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [STANDBY_FLAG]:
+        from worker.standby import stand_by
+
+        told = stand_by()
+        return 0 if told is None else main(told[0], started_at=told[1], standby=True)
+    clock = StartClock(started_at if started_at is not None else _process_started_at(), standby)
     env = env_snapshot()
     try:
-        cfg = load(WorkerConfig, sys.argv[1:] if argv is None else argv, env, prog="mlx-worker")
+        cfg = load(WorkerConfig, args, env, prog="mlx-worker")
         curve = load_client_keys(cfg.curve_server_key, cfg.curve_secret_key)
     except ConfigError as exc:
         print(f"mlx-worker: {exc.message}", file=sys.stderr)
-        return permanent_exit(ExitCode.CONFIG_ERROR, sys.argv[1:] if argv is None else argv)
+        return permanent_exit(ExitCode.CONFIG_ERROR, args)
     incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker",
                   context={"incarnation": incarnation, "model": cfg.model})
@@ -44,13 +59,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pyproject.toml requires", file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, (), cfg.service_manager)
 
-    from worker.loader import LoadError, load_model  # imports mlx: after config is good
+    # mlx, mlx-lm and transformers: after config is good (a standby has them already).
+    from worker.boot import NotEnoughMemory, build_server
+    from worker.loader import LoadError, load_model
 
+    clock.mark("imports")
     try:
         loaded = load_model(cfg.model, env, trust_remote_code=cfg.trust_remote_code)
     except LoadError as exc:
         log.error("model failed to load: %s", exc)
         return permanent_exit(ExitCode.LOAD_ERROR, (), cfg.service_manager)
+    clock.mark("load")
 
     group = None
     watch: PeerWatch | None = None
@@ -65,13 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             watch.stand_down()  # rank 0 stopped the group (or is gone): its sockets close
             return code
 
-    from worker.boot import build_server, NotEnoughMemory
-
     try:
         server = build_server(cfg, loaded, incarnation, _cache_dir(env), curve, env, group=group)
     except NotEnoughMemory as exc:
         log.error("%s", exc)
         return permanent_exit(ExitCode.NO_MEMORY, (), cfg.service_manager)
+    clock.mark("boot")
+    log.info("%s", clock.summary(server.core.memory.warmup_s or 0.0))
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
     code = server.run()
@@ -80,6 +99,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stop_group(server.engine)
     _exit_now(code)
     return code  # not reached
+
+
+class StartClock:
+    """A start's seconds by phase, for one log line: what a restart costs, and where."""
+
+    def __init__(self, started_at: float, standby: bool) -> None:
+        self.started_at = started_at          # wall clock: the process's creation, or the go
+        self.standby = standby
+        self.phases: dict[str, float] = {}
+        self._last = started_at
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = max(0.0, now - self._last)
+        self._last = now
+
+    def summary(self, warmup_s: float) -> str:
+        p = self.phases
+        return (f"start to ready in {self._last - self.started_at:.2f} s "
+                f"({'from a standby, told to go' if self.standby else 'from a new process'}): "
+                f"imports {p.get('imports', 0.0):.2f} s, model loaded in {p.get('load', 0.0):.2f} s, "
+                f"calibration and boot {max(0.0, p.get('boot', 0.0) - warmup_s):.2f} s, "
+                f"warm start {warmup_s:.2f} s")
+
+
+def _process_started_at() -> float:
+    """This process's creation (wall clock): the interpreter's own start counts as imports."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a figure for the log only
+        return time.time()
 
 
 def _exit_now(code: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,15 +95,19 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
         log.warning("only %d MiB available for %d MiB of weights after waiting %.0fs; loading anyway",
                     psutil.virtual_memory().available >> 20, needed >> 20, wait_for_memory_s)
     try:
-        import mlx_lm
+        # mlx_lm.load's two steps, timed apart: what a restart spends on each.
+        from mlx_lm.utils import load_model as load_weights, load_tokenizer
 
-        loaded, tokenizer = mlx_lm.load(
-            str(path), tokenizer_config={"trust_remote_code": trust_remote_code},
-            trust_remote_code=trust_remote_code)
+        started = time.monotonic()
+        loaded, mlx_config = load_weights(path, trust_remote_code=trust_remote_code)
+        weights_s = time.monotonic() - started
+        tokenizer = load_tokenizer(path, {"trust_remote_code": trust_remote_code},
+                                   eos_token_ids=mlx_config.get("eos_token_id", None))
     except Exception as exc:
         raise LoadError(f"mlx-lm could not load {path}: {exc}") from None
     config = json.loads((path / "config.json").read_text())
-    log.info("loaded %s from %s", model, path)
+    log.info("loaded %s from %s: weights %.2f s, tokenizer %.2f s", model, path, weights_s,
+             time.monotonic() - started - weights_s)
     return LoadedModel(loaded, tokenizer, path, model, config, fingerprint(path))
 
 

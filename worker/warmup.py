@@ -43,6 +43,10 @@ class WarmupReport:
     prefill: list[tuple[int, float]] = field(default_factory=list)   # (tokens, seconds) per step
     batches: list[int] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    # Each part's seconds, as run: on a GPU what a part costs beyond its compute is the
+    # process's first use of its kernels (module loads, cuDNN graphs), paid again by every
+    # new worker; the log shows which parts a restart pays most for.
+    parts: list[tuple[str, float]] = field(default_factory=list)
 
 
 def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int, max_batch: int,
@@ -83,18 +87,23 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
             if (n + 1 + DECODE_TOKENS > model.context_length or chunk is None or not affordable(n)):
                 report.skipped.append(f"prefill {n}")
                 continue
+            part_started = clock()
             _prefill(engine, n, token, chunk, max_chunk, clock, report)
+            report.parts.append((f"p{n}", clock() - part_started))
         elif kind == "d" and n <= max_batch:
             if (costmodel.batch_cost_bytes(model, n, DECODE_PROMPT + DECODE_TOKENS, DECODE_PROMPT, n,
                                            DECODE_PROMPT) > model.budget_bytes
                     or not affordable(n * DECODE_PROMPT)):
                 report.skipped.append(f"decode x{n}")
                 continue
+            part_started = clock()
             _decode(engine, n, token)
             report.batches.append(n)
+            report.parts.append((f"d{n}", clock() - part_started))
     report.seconds = clock() - started
-    log.info("warm start in %.2fs: prefill chunks %s, decode batches %s%s", report.seconds,
-             [n for n, _ in report.prefill], report.batches,
+    log.info("warm start in %.2fs: prefill chunks %s, decode batches %s (seconds by part: %s)%s",
+             report.seconds, [n for n, _ in report.prefill], report.batches,
+             ", ".join(f"{name} {secs:.2f}" for name, secs in report.parts),
              f"; skipped (time or memory) {', '.join(report.skipped)}" if report.skipped else "")
     return report
 

@@ -9,7 +9,8 @@ State machine (values are DESIGN's strings):
 External workers are not ours to start or stop: silent → ``down``; a new hello → ``ready``.
 Detection and decision are separate: exits come from the child's ``wait()`` (asyncio's
 child watcher, not a poll) and silence from heartbeat expiry; ``decide()`` alone chooses
-among restart, backoff and failed.
+among restart, backoff and failed. A spawned worker that is ready gets a standby
+(``standby.py``): the next start skips the imports.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prometheus_client import Counter, Enum
 
 from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
 from router.fleet.link import STALL_TIMEOUT_S, WorkerLink
+from router.fleet.standby import Standby
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._standby: Standby | None = None
+        self._standby_spawning: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._discard_standby()
         if self.spawn_spec is not None and self.incarnation is not None:
             self.dispatcher.worker_lost(self.incarnation, reason)
 
@@ -229,6 +234,8 @@ class Supervisor:
             self.last_start_s = round(self.ready_at - self._spawned_at, 3)
         self._deaths_before_ready = 0
         self._set(WorkerState.READY, "serving")
+        if self.spawn_spec is not None:
+            self._prepare_standby()
 
     def on_replaced(self, why: str) -> None:
         """An external worker whose peer is gone, replaced by a new one of its model (a
@@ -268,13 +275,22 @@ class Supervisor:
         self._stderr_tail.clear()
         self._leaving_at = None
         self._set(WorkerState.STARTING, "loading the model")
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv, "--incarnation", str(self.incarnation), env=spec.env,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        argv = [*spec.argv, "--incarnation", str(self.incarnation)]
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.can_become(argv, spec.env):
+            proc = standby.become(argv)
+            how = "its standby, told to go"
+        else:
+            if standby is not None:
+                await standby.discard()
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=spec.env, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
+            how = "a new process"
         self._proc, self.pid = proc, proc.pid
         self._spawned_at = self.clock()
-        log.info("spawned worker pid %d (incarnation %d)", proc.pid, self.incarnation)
+        log.info("spawned worker pid %d (incarnation %d): %s", proc.pid, self.incarnation, how)
         relay = asyncio.create_task(self._relay_stderr(proc))
         returncode = await proc.wait()
         await asyncio.wait([relay], timeout=1.0)
@@ -291,6 +307,36 @@ class Supervisor:
             text = line.decode(errors="replace").rstrip()
             self._stderr_tail.append(text)
             sys.stderr.write(text + "\n")
+
+    def _prepare_standby(self) -> None:
+        """Spawn the next worker's standby in the background, unless one is there or coming."""
+        if self._stopping or self._standby is not None or (
+                self._standby_spawning is not None and not self._standby_spawning.done()):
+            return
+        self._standby_spawning = asyncio.create_task(self._spawn_standby(), name="supervisor-standby")
+
+    async def _spawn_standby(self) -> None:
+        spec = self.spawn_spec
+        if spec is None:
+            return
+        try:
+            standby = await Standby.spawn(spec.argv, spec.env)
+        except OSError as exc:  # the restart spawns a new process, as it always could
+            log.warning("could not spawn a standby worker: %s", exc)
+            return
+        if standby is not None and (self._stopping or self._standby is not None):
+            await standby.discard()
+            return
+        self._standby = standby
+
+    async def _discard_standby(self) -> None:
+        if self._standby_spawning is not None:
+            with contextlib.suppress(Exception):
+                await self._standby_spawning  # a spawn under way sees _stopping and discards
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            log.info("[shutdown] stopping standby worker %d", standby.pid)
+            await standby.discard()
 
     def _after_exit(self, returncode: int) -> float | None:
         code, sig, why = describe_exit(returncode)
@@ -335,7 +381,11 @@ class Supervisor:
         if blamed_on_quarantine:  # the prompt is to blame, not the worker: no longer backoff
             return WorkerState.RESTARTING, BACKOFF_FIRST_S
         self._consecutive += 1
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._consecutive - 1))
+        # A worker that served and died is replaced at once the first time (its clients are
+        # waiting; a second death in a row starts the backoff); one that never got ready
+        # waits from the first (the same start would likely fail the same way).
+        steps = self._consecutive - (2 if was_ready else 1)
+        delay = 0.0 if steps < 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** steps)
         return WorkerState.RESTARTING, delay
 
     def _kill(self, why: str) -> None:
@@ -405,6 +455,7 @@ class Supervisor:
                 "incarnation": self.incarnation, "restarts": self.num_restarts,
                 "mode": "spawn" if self.spawn_spec else "external",
                 "last_start_s": self.last_start_s,
+                "standby_pid": self._standby.pid if self._standby is not None else None,
                 "last_backoff_s": self.last_backoff_s,
                 "last_exit": self.last_exit.to_dict() if self.last_exit else None}
 

@@ -46,6 +46,8 @@ def make_models(root: Path, cache_home: Path) -> tuple[Path, Path]:
 def worker_pids(router: Router) -> dict[str, int]:
     """The router's live worker processes by the model folder they were started with."""
     out: dict[str, int] = {}
+    # A standby holds no model until it is told to become a worker (then it is one).
+    standbys = {w.get("standby_pid") for w in router.health().get("workers", [])}
     try:
         children = psutil.Process(router.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -53,7 +55,7 @@ def worker_pids(router: Router) -> dict[str, int]:
     for child in children:
         try:
             argv = child.cmdline()
-            if child.status() == psutil.STATUS_ZOMBIE or "worker" not in argv:
+            if child.status() == psutil.STATUS_ZOMBIE or "worker" not in argv or child.pid in standbys:
                 continue
         except psutil.Error:
             continue

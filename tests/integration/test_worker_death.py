@@ -164,10 +164,14 @@ def test_wedged_engine_loop_is_detected_and_replaced(fresh_router: Callable[...,
     assert router.client().completions.create(model="m", prompt="ok", max_tokens=3, extra_body=NO_EOS).usage.completion_tokens == 3
 
 
-def test_spawned_worker_exits_when_its_router_dies(fresh_router: Callable[..., Router]) -> None:
+def test_spawned_worker_and_its_standby_exit_when_their_router_dies(
+        fresh_router: Callable[..., Router]) -> None:
     router = fresh_router()
     pid = router.worker()["pid"]
+    standby = wait_until(lambda: router.worker().get("standby_pid"), 30, "a standby worker",
+                         on_fail=router.log)
     os.kill(router.pid, signal.SIGKILL)
 
     wait_until(lambda: process_gone(pid), 15, "the orphaned worker to exit")
+    wait_until(lambda: process_gone(standby), 15, "the orphaned standby to exit")
 

@@ -98,9 +98,14 @@ def test_permanent_exit_codes_fail_at_once(sup: Supervisor, code: int, was_ready
 
 @pytest.mark.parametrize("code", [ExitCode.OK, 1, ExitCode.UNTRUSTED_STATE, 77,
                                   -signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV])
-def test_other_exits_restart(sup: Supervisor, code: int) -> None:
+def test_other_exits_restart_at_once_after_serving(sup: Supervisor, code: int) -> None:
     state, delay = sup.decide(code, was_ready=True, blamed_on_quarantine=False, now=1.0)
-    assert state is WorkerState.RESTARTING and delay == BACKOFF_FIRST_S
+    assert state is WorkerState.RESTARTING and delay == 0.0
+
+
+def test_a_worker_that_never_got_ready_is_restarted_after_the_first_backoff(sup: Supervisor) -> None:
+    assert sup.decide(-9, was_ready=False, blamed_on_quarantine=False, now=1.0) == \
+        (WorkerState.RESTARTING, BACKOFF_FIRST_S)
 
 
 def test_startup_deaths_fail(sup: Supervisor) -> None:
@@ -143,7 +148,7 @@ def test_backoff_doubles_and_caps(sup: Supervisor, clock: FakeClock) -> None:
     # Deaths more than a window apart (no crash loop), each soon after ready (no reset).
     delays = [ready_then_die(sup, clock, 1000.0 + (CRASH_LOOP_WINDOW_S + 1) * i)[1]
               for i in range(10)]
-    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert max(delays) == BACKOFF_MAX_S
 
 
@@ -151,7 +156,7 @@ def test_backoff_resets_after_a_healthy_run(sup: Supervisor, clock: FakeClock) -
     for i in range(4):
         ready_then_die(sup, clock, 1000.0 + 100 * i)
     _, delay = ready_then_die(sup, clock, 2000.0, up_for=HEALTHY_RESET_S)
-    assert delay == BACKOFF_FIRST_S
+    assert delay == 0.0
 
 
 def test_quarantine_blamed_deaths_do_not_count(sup: Supervisor, clock: FakeClock) -> None:
@@ -220,5 +225,7 @@ def test_an_operators_restart_is_neither_backed_off_nor_a_death(sup: Supervisor,
         assert sup.decide(0, was_ready=True, blamed_on_quarantine=False, now=clock.now,
                           requested=True) == (WorkerState.RESTARTING, 0.0)
     # A real death after them still starts the backoff from its first step.
+    assert sup.decide(-9, was_ready=True, blamed_on_quarantine=False,
+                      now=clock.now) == (WorkerState.RESTARTING, 0.0)
     assert sup.decide(-9, was_ready=True, blamed_on_quarantine=False,
                       now=clock.now) == (WorkerState.RESTARTING, BACKOFF_FIRST_S)
