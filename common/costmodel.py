@@ -94,13 +94,20 @@ class CostModel:
 
     kv_bytes_per_token: int
     num_layers: int
-    # Transient of one forward ≈ b + Σ rows (a·chunk + c·chunk·context): b is fixed per
-    # forward whatever its length (e.g. a weight dequantized for a large matmul on CUDA,
-    # measured at ~117 MB on an 8B 4-bit model), a per token (activations, a logits row),
-    # c per token per context token (attention scores). A decode row is a chunk of one.
+    # Transient of one forward, run in order (kernels queued ahead of the device are
+    # bounded by MLX's limit, not charged: ``worker/gate.py``'s step limit)
+    #   ≈ b + Σ rows (a·chunk + d·context + c·chunk·context):
+    # b is fixed per forward whatever its length (e.g. a weight dequantized for a large
+    # matmul on CUDA, ~117 MB on an 8B 4-bit model), a per chunk token (activations, a
+    # logits row), d per row per context token (attention reads a layer's keys and values
+    # through a contiguous copy: ~1.75x a layer's KV per token on the H200, a decode row
+    # at 4k on an 8B model ~29 MB, which a·1 + c·context never charged), c per chunk token
+    # per context token (attention scores where they are materialized). A decode row is a
+    # chunk of one.
     prefill_a_bytes: float
     prefill_c_bytes: float
     prefill_b_bytes: float = 0.0
+    prefill_d_bytes: float = 0.0
     # Fraction of one layer's old cache that coexists with the new one when a cache grows.
     growth_factor: float = 1.0
     # When rows join or leave a batch, mlx-lm copies the whole batch cache (concatenate on
@@ -130,9 +137,12 @@ def batch_kv_bytes(rows: int, longest_tokens: int, kv_per_token: int) -> int:
 
 
 def prefill_transient_bytes(m: CostModel, chunk_tokens: int, context_tokens: int, rows: int = 1) -> int:
-    """Per-token working memory of one prefill chunk over ``rows`` rows (freed at the end of
+    """Per-row working memory of one prefill chunk over ``rows`` rows (freed at the end of
     the step); the fixed per-forward part is ``forward_transient_bytes``'s."""
-    per_row = m.prefill_a_bytes * chunk_tokens + m.prefill_c_bytes * chunk_tokens * context_tokens
+    if chunk_tokens <= 0:
+        return 0
+    per_row = (m.prefill_a_bytes * chunk_tokens + m.prefill_d_bytes * context_tokens
+               + m.prefill_c_bytes * chunk_tokens * context_tokens)
     return int(rows * per_row)
 
 
@@ -291,11 +301,14 @@ def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
 def safe_prefill_chunk(m: CostModel, free_bytes: int, context_tokens: int, rows: int = 1) -> int:
     """Largest chunk whose transient fits in ``free_bytes``; never above the static step.
 
-    The fixed per-forward term is paid whatever the chunk, so it comes off first."""
-    per_token = rows * (m.prefill_a_bytes + m.prefill_c_bytes * max(context_tokens, 1))
-    if per_token <= 0:
-        return m.prefill_step_tokens
-    chunk = int(max(0.0, free_bytes - m.prefill_b_bytes) // per_token)
+    The fixed terms (per forward, and each row's context) are paid whatever the chunk, so
+    they come off first."""
+    context = max(context_tokens, 1)
+    per_token = rows * (m.prefill_a_bytes + m.prefill_c_bytes * context)
+    fixed = m.prefill_b_bytes + rows * m.prefill_d_bytes * context
+    if per_token <= 0:  # the chunk costs nothing more: the step if the fixed terms fit
+        return m.prefill_step_tokens if fixed <= free_bytes else min(m.prefill_step_tokens, MIN_CHUNK_TOKENS)
+    chunk = int(max(0.0, free_bytes - fixed) // per_token)
     return min(m.prefill_step_tokens, max(MIN_CHUNK_TOKENS, chunk))
 
 

@@ -80,7 +80,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
                                prefill_step_tokens=step,
                                prefill_batch_size=PREFILL_BATCH_SIZE)
-    key = cache_key(loaded.fingerprint, mx.__version__, probe.device, probe.limit_bytes)
+    key = cache_key(loaded.fingerprint, mx.__version__, probe.device)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4
     # The calibrated model replaces the static one below (the budget is the same).
@@ -104,6 +104,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "source": calibration.source, "seconds": round(calibration.seconds, 3),
         "prefill_b_bytes": round(calibration.prefill_b_bytes), "prefill_a_bytes": round(calibration.prefill_a_bytes),
         "prefill_c_bytes": round(calibration.prefill_c_bytes, 3),
+        "prefill_d_bytes": round(calibration.prefill_d_bytes),
         "kv_bytes_per_token": calibration.kv_bytes_per_token,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
     grammars = make_grammars(loaded)

@@ -418,13 +418,16 @@ class WorkerCore:
         view = self.view()
         predicted = self.gate.predict_step(view, self.chunk_tokens, self._previous, score_tokens)
         self._previous = view
+        self.gate.bound_step(predicted)
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
             self._guard()
         except Exception as exc:
+            self.gate.end_step()
             return self._failed(exc)
         elapsed = time.perf_counter() - started
+        self.gate.end_step()
         self.timing.steps += 1
         self.timing.engine_s += elapsed
         if self.gate.observe_step(predicted, self.clock()):

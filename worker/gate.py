@@ -514,10 +514,36 @@ class MemoryGate:
         before it allocates past its limit) and what the device or system has free: while
         another process (on a Mac, another app) holds memory the budget counted on, kernels
         queued ahead wait instead of taking memory that is no longer there."""
+        self.memory.probe.bound_active(self._pool_limit())
+
+    def _pool_limit(self) -> int:
         limit, r = self.memory.mlx_limit_bytes, self.memory.last
         if r is not None:
             limit = min(limit, r.active_bytes + r.cache_bytes + r.system_available_bytes)
-        self.memory.probe.bound_active(limit)
+        return limit
+
+    def bound_step(self, predicted_fitted: int) -> None:
+        """While a step runs, MLX may hold what the fitted model predicted for it and no
+        more before its evaluation waits for the device (after the step, ``end_step``).
+
+        The host queues kernels ahead of the device, and their buffers add up: under a
+        limit at the whole budget a step's peak was whatever the queue reached (on the H200
+        up to 10x what the forward needs run in order), the scale learned that as an
+        overshoot (1.0 -> 1.91 in one serve run) and admission then held a fraction of
+        the rows the budget holds. Bounded here, the queue stays within the prediction, so
+        a peak above it is what the forward needs in order: a real error of the model,
+        which the scale must learn. Fitted, not scaled: a limit that grew with the scale
+        would let the queue grow the scale again."""
+        if not self.admission or predicted_fitted <= 0:
+            return
+        held = self.memory.idle_active_bytes + self._resident_at_step
+        self.memory.probe.bound_active(min(self._pool_limit(), held + predicted_fitted))
+
+    def end_step(self) -> None:
+        """Back to the pool's limit (the prefix cache's copies and disk reads between
+        steps are charged elsewhere)."""
+        if self.admission:
+            self._follow_device()
 
     def _set_aside_runtime(self) -> bool:
         """The process itself holds more than MLX counts (on the H200 NVML's figure for the

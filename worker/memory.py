@@ -233,13 +233,17 @@ def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: in
                        + 3 * shape.intermediate_size + shape.vocab_size)
     # Per chunk token per context token: attention scores and their softmax copy.
     prefill_c = 2 * act * shape.num_heads
+    kv_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+    # Per row per context token: attention reads one layer's keys and values through a
+    # contiguous copy (measured 1.5-1.75x a layer's KV; charged as 2x).
+    prefill_d = 2 * kv_per_token / max(shape.num_layers, 1)
     budget = limit_bytes - shape.weights_bytes - baseline_bytes - safety_margin(limit_bytes, shape.weights_bytes)
     return CostModel(
-        kv_bytes_per_token=kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
-                                              shape.head_dim, shape.dtype_bytes),
+        kv_bytes_per_token=kv_per_token,
         num_layers=shape.num_layers,
         prefill_a_bytes=float(prefill_a),
         prefill_c_bytes=float(prefill_c),
+        prefill_d_bytes=float(prefill_d),
         budget_bytes=max(budget, 0),
         context_length=shape.context_length,
         prefill_step_tokens=prefill_step_tokens,

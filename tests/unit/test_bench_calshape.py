@@ -32,6 +32,16 @@ def test_the_grid_is_measured_and_judged_against_the_probes_fit(model: object) -
     assert doc["worst_ratio_with_margin"] == max(p["ratio_with_margin"] for p in points)
     assert doc["probe"]["kv_bytes_per_token"] == 64 * 1024  # the demo's 64 KiB per token
     assert "grid_fit" in doc and "rows chunk context" in calshape.table(doc)
+    assert doc["mode"] == "in-order" and doc["probe"]["d"] >= 0
+
+
+def test_a_step_bounded_as_the_worker_bounds_it_is_measured_too(model: object) -> None:
+    """``--mode step-limit``: MLX's limit at what is live plus the prediction with margin."""
+    doc = calshape.run(model, stretch=1, contexts=[128], chunks=[64], decode_rows=[4],
+                       decode_contexts=[64], mode="step-limit")
+    assert doc["mode"] == "step-limit"
+    assert [(p["rows"], p["chunk"]) for p in doc["points"]] == [(1, 64), (4, 1)]
+    assert all(p["bytes"] > 0 and p["ratio"] is not None for p in doc["points"])
 
 
 def test_a_forward_run_in_order_needs_no_more_than_one_run_ahead(model: object) -> None:

@@ -38,6 +38,7 @@ models = st.builds(
     prefill_a_bytes=st.just(0.0) | st.floats(1e-3, 1e6),
     prefill_c_bytes=st.just(0.0) | st.floats(1e-6, 1e3),
     prefill_b_bytes=st.just(0.0) | st.floats(1.0, 1e9),
+    prefill_d_bytes=st.just(0.0) | st.floats(1e-3, 1e5),
     growth_factor=st.floats(0, 2),
     budget_bytes=st.integers(0, 1 << 40),
     context_length=st.integers(1, 1 << 17),
@@ -100,7 +101,7 @@ def test_short_row_beside_long_row_is_charged_the_long_length() -> None:
     padded = batch_cost_bytes(m, 2, long, 0, 0, 0)
     assert padded == 2 * roundup(long) * m.kv_bytes_per_token + max(
         growth_spike_bytes(m, 2, long), copy_spike_bytes(m, 2, long)) + int(
-        m.prefill_b_bytes + 2 * (m.prefill_a_bytes + m.prefill_c_bytes * long))
+        m.prefill_b_bytes + 2 * (m.prefill_a_bytes + m.prefill_d_bytes * long + m.prefill_c_bytes * long))
     unpadded = (batch_kv_bytes(1, short, m.kv_bytes_per_token)
                 + batch_kv_bytes(1, long, m.kv_bytes_per_token))
     assert padded > unpadded
@@ -144,6 +145,24 @@ def test_prefill_transient() -> None:
     assert prefill_transient_bytes(m, 100, 1000) == 10 * 100 + 0.5 * 100 * 1000
     assert prefill_transient_bytes(m, 100, 1000, rows=3) == 3 * (10 * 100 + 0.5 * 100 * 1000)
     assert prefill_transient_bytes(m, 0, 1000) == 0
+
+
+def test_each_row_pays_for_its_context_whatever_its_chunk() -> None:
+    """The per-row context term: what a decode row at 4k holds on the H200 (~7.1 KB per
+    context token on an 8B model, run in order), charged per row, and once per row of a
+    prefill chunk too; the chunk that fits leaves it aside first."""
+    m = make_model(prefill_a_bytes=650_000.0, prefill_c_bytes=96.0, prefill_d_bytes=7_100.0,
+                   prefill_b_bytes=117e6)
+    decode_32 = forward_transient_bytes(m, chunk_tokens=0, context_tokens=0, prefill_rows=0,
+                                        decode_rows=32, decode_context=4097)
+    assert decode_32 == int(117e6 + 32 * (650_000 + 7_100 * 4097 + 96 * 4097))
+    assert 1.0e9 < decode_32 < 1.3e9  # near the in-order figure measured: 1,165 MB
+    assert prefill_transient_bytes(m, 512, 4096, rows=2) == int(2 * (650_000 * 512 + 7_100 * 4096
+                                                                     + 96 * 512 * 4096))
+    assert prefill_transient_bytes(m, 0, 4096, rows=2) == 0  # no chunk, no prefill row
+    fixed = 117e6 + 7_100 * 4096
+    per_token = 650_000 + 96 * 4096
+    assert safe_prefill_chunk(m, int(fixed + 100.5 * per_token), 4096) == 100
 
 
 def test_growth_spike_is_one_layers_old_cache() -> None:

@@ -232,6 +232,39 @@ def test_mlx_limit_stays_within_the_operators_limit_when_a_grown_scale_inflates_
     assert probe.active_limit == gate.memory.idle_active_bytes + gate.fitted.budget_bytes <= probe.limit_bytes
 
 
+def test_a_step_may_queue_no_more_than_its_fitted_prediction() -> None:
+    """While a step runs, MLX's limit is what it holds at idle, the prefix cache and the
+    step's fitted prediction: kernels queued ahead of the device wait there, so a peak
+    above the prediction is what the forward needs in order. After the step the limit is
+    the pool's again. The limit does not follow the scale: a peak that reaches a scaled
+    limit would grow the scale again, step after step."""
+    gate, probe = make_gate()
+    pool = probe.active_limit
+    v = view(600, 300, prefilling=1)
+    predicted = gate.predict_step(v, 256, None)
+    gate.bound_step(predicted)
+    assert probe.active_limit == gate.memory.idle_active_bytes + predicted < pool
+    gate.end_step()
+    assert probe.active_limit == pool
+    # A run of steps that each fill that limit (the queue at its bound) grows nothing.
+    for step in range(20):
+        gate.bound_step(predicted)
+        probe.active_bytes = probe.active_limit
+        gate.observe_step(predicted, now=1.0 + step)
+        gate.end_step()
+    assert gate.tracker.scale == 1.0
+    gate.grow_scale(1.5, now=30.0)
+    gate.bound_step(predicted)
+    assert probe.active_limit == gate.memory.idle_active_bytes + predicted  # fitted, not scaled
+    # Never above the pool's limit, and nothing bound without admission.
+    gate.bound_step(10 * LIMIT)
+    assert probe.active_limit == pool
+    unbounded, probe2 = make_gate(admission=False)
+    before = probe2.active_limit
+    unbounded.bound_step(predicted)
+    assert probe2.active_limit == before
+
+
 def test_mlx_limit_shrinks_to_what_the_device_has_free_while_another_process_holds_memory() -> None:
     gate, probe = make_gate()
     full = probe.active_limit
