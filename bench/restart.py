@@ -53,7 +53,7 @@ def phases(lines: list[str], pid: int) -> dict[str, Any]:
         if f"mlx-worker[{pid}]" not in line:
             continue
         if m := START_LINE.search(line):
-            out.update(how=m["how"], worker_ready_s=float(m["total"]), imports_s=float(m["imports"]),
+            out.update(start=m["how"], worker_ready_s=float(m["total"]), imports_s=float(m["imports"]),
                        load_s=float(m["load"]), boot_s=float(m["boot"]), warm_start_s=float(m["warm"]))
         elif m := LOAD_LINE.search(line):
             out.update(weights_s=float(m["weights"]), tokenizer_s=float(m["tokenizer"]))

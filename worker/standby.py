@@ -14,17 +14,51 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 
 def prepare() -> None:
-    """Import what a worker's start imports, short of mlx-lm: on 2 CPU cores, 0.9 of its
-    1.0 s of imports are transformers' and numpy's, 0.1 s mlx-lm's own and ours. mlx-lm is
-    left to the go because its import makes an array (``mx.random.state``, read by
-    ``sample_utils``' decorators), and on CUDA MLX's first array creates the device context,
-    hundreds of MB of GPU memory beside the worker still running."""
-    import msgpack  # noqa: F401
+    """Import what a worker's start imports, short of mlx-lm, at idle priority.
+
+    On 2 CPU cores 0.9 of a worker's 1.0 s of imports are transformers' and numpy's, 0.1 s
+    mlx-lm's own and ours. mlx-lm is left to the go because its import makes an array
+    (``mx.random.state``, read by ``sample_utils``' decorators), and on CUDA MLX's first
+    array creates the device context: hundreds of MB of GPU memory beside the worker still
+    running. The imports run in a thread of idle priority, so they take only CPU that the
+    serving worker (or anything else) leaves; numpy comes first, in this thread, because
+    its BLAS threads are made by its import and outlive it."""
     import numpy  # noqa: F401
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        _lower_this_thread()
+        try:
+            _import_the_rest()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="standby-imports")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def _lower_this_thread() -> None:
+    """Idle priority for the calling thread only (Linux: SCHED_IDLE; macOS: background)."""
+    try:
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        elif hasattr(os, "PRIO_DARWIN_THREAD"):
+            os.setpriority(os.PRIO_DARWIN_THREAD, 0, os.PRIO_DARWIN_BG)  # type: ignore[attr-defined]
+    except OSError:  # not allowed here: the imports run at normal priority
+        pass
+
+
+def _import_the_rest() -> None:
+    import msgpack  # noqa: F401
     import psutil  # noqa: F401
     import zmq  # noqa: F401
 

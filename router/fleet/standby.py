@@ -83,3 +83,56 @@ class Standby:
                 await proc.wait()
         if proc.stdin is not None:
             proc.stdin.close()
+
+
+class StandbySlot:
+    """The one standby a supervisor keeps: spawned in the background when asked, taken by
+    the next start, killed when the supervisor stops."""
+
+    def __init__(self) -> None:
+        self._standby: Standby | None = None
+        self._spawning: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._standby.pid if self._standby is not None else None
+
+    def fill(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        """Spawn a standby for ``argv``'s worker, unless one is there or coming."""
+        if self._closed or self._standby is not None or worker_args(argv) is None or (
+                self._spawning is not None and not self._spawning.done()):
+            return
+        self._spawning = asyncio.create_task(self._spawn(list(argv), dict(env)), name="standby-spawn")
+
+    async def take(self, argv: Sequence[str], env: dict[str, str]) -> asyncio.subprocess.Process | None:
+        """The standby's process, told to run as ``argv``'s worker; None when there is no
+        standby that can (an unusable one is discarded): spawn a new process then."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return None
+        if standby.can_become(argv, env):
+            return standby.become(argv)
+        await standby.discard()
+        return None
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._spawning is not None:
+            with contextlib.suppress(Exception):
+                await self._spawning  # a spawn under way sees _closed and discards its standby
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            log.info("[shutdown] stopping standby worker %d", standby.pid)
+            await standby.discard()
+
+    async def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
+        try:
+            standby = await Standby.spawn(argv, env)
+        except OSError as exc:  # the next start spawns a new process, as it always could
+            log.warning("could not spawn a standby worker: %s", exc)
+            return
+        if standby is not None and (self._closed or self._standby is not None):
+            await standby.discard()
+            return
+        self._standby = standby

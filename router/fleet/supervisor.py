@@ -33,7 +33,7 @@ from prometheus_client import Counter, Enum
 
 from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
 from router.fleet.link import STALL_TIMEOUT_S, WorkerLink
-from router.fleet.standby import Standby
+from router.fleet.standby import StandbySlot
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,7 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._standby: Standby | None = None
-        self._standby_spawning: asyncio.Task[None] | None = None
+        self.standby = StandbySlot()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -185,7 +184,7 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._discard_standby()
+        await self.standby.close()
         if self.spawn_spec is not None and self.incarnation is not None:
             self.dispatcher.worker_lost(self.incarnation, reason)
 
@@ -234,8 +233,8 @@ class Supervisor:
             self.last_start_s = round(self.ready_at - self._spawned_at, 3)
         self._deaths_before_ready = 0
         self._set(WorkerState.READY, "serving")
-        if self.spawn_spec is not None:
-            self._prepare_standby()
+        if self.spawn_spec is not None and not self._stopping:
+            self.standby.fill(self.spawn_spec.argv, self.spawn_spec.env)
 
     def on_replaced(self, why: str) -> None:
         """An external worker whose peer is gone, replaced by a new one of its model (a
@@ -276,13 +275,9 @@ class Supervisor:
         self._leaving_at = None
         self._set(WorkerState.STARTING, "loading the model")
         argv = [*spec.argv, "--incarnation", str(self.incarnation)]
-        standby, self._standby = self._standby, None
-        if standby is not None and standby.can_become(argv, spec.env):
-            proc = standby.become(argv)
-            how = "its standby, told to go"
-        else:
-            if standby is not None:
-                await standby.discard()
+        proc = await self.standby.take(argv, spec.env)
+        how = "its standby, told to go"
+        if proc is None:
             proc = await asyncio.create_subprocess_exec(
                 *argv, env=spec.env, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
@@ -307,36 +302,6 @@ class Supervisor:
             text = line.decode(errors="replace").rstrip()
             self._stderr_tail.append(text)
             sys.stderr.write(text + "\n")
-
-    def _prepare_standby(self) -> None:
-        """Spawn the next worker's standby in the background, unless one is there or coming."""
-        if self._stopping or self._standby is not None or (
-                self._standby_spawning is not None and not self._standby_spawning.done()):
-            return
-        self._standby_spawning = asyncio.create_task(self._spawn_standby(), name="supervisor-standby")
-
-    async def _spawn_standby(self) -> None:
-        spec = self.spawn_spec
-        if spec is None:
-            return
-        try:
-            standby = await Standby.spawn(spec.argv, spec.env)
-        except OSError as exc:  # the restart spawns a new process, as it always could
-            log.warning("could not spawn a standby worker: %s", exc)
-            return
-        if standby is not None and (self._stopping or self._standby is not None):
-            await standby.discard()
-            return
-        self._standby = standby
-
-    async def _discard_standby(self) -> None:
-        if self._standby_spawning is not None:
-            with contextlib.suppress(Exception):
-                await self._standby_spawning  # a spawn under way sees _stopping and discards
-        standby, self._standby = self._standby, None
-        if standby is not None:
-            log.info("[shutdown] stopping standby worker %d", standby.pid)
-            await standby.discard()
 
     def _after_exit(self, returncode: int) -> float | None:
         code, sig, why = describe_exit(returncode)
@@ -455,7 +420,7 @@ class Supervisor:
                 "incarnation": self.incarnation, "restarts": self.num_restarts,
                 "mode": "spawn" if self.spawn_spec else "external",
                 "last_start_s": self.last_start_s,
-                "standby_pid": self._standby.pid if self._standby is not None else None,
+                "standby_pid": self.standby.pid,
                 "last_backoff_s": self.last_backoff_s,
                 "last_exit": self.last_exit.to_dict() if self.last_exit else None}
 

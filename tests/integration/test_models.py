@@ -46,8 +46,9 @@ def make_models(root: Path, cache_home: Path) -> tuple[Path, Path]:
 def worker_pids(router: Router) -> dict[str, int]:
     """The router's live worker processes by the model folder they were started with."""
     out: dict[str, int] = {}
-    # A standby holds no model until it is told to become a worker (then it is one).
-    standbys = {w.get("standby_pid") for w in router.health().get("workers", [])}
+    # A standby (``--standby``) holds no model until it is told to become a worker, and
+    # then /health lists it as one.
+    workers = {w.get("pid") for w in router.health().get("workers", [])}
     try:
         children = psutil.Process(router.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -55,7 +56,8 @@ def worker_pids(router: Router) -> dict[str, int]:
     for child in children:
         try:
             argv = child.cmdline()
-            if child.status() == psutil.STATUS_ZOMBIE or "worker" not in argv or child.pid in standbys:
+            if child.status() == psutil.STATUS_ZOMBIE or "worker" not in argv \
+                    or ("--standby" in argv and child.pid not in workers):
                 continue
         except psutil.Error:
             continue
