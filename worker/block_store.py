@@ -100,6 +100,9 @@ class Hit:
     kind: str                       # prefix | trimmed (a block used in part) | disk
     views: list[Any]
     join_bytes: int
+    # Of that, what is held beside the row's own copy while it joins: the blocks' lazy
+    # concatenation, when there are several (one block is copied straight into the batch).
+    assembled_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +215,8 @@ class BlockStore(CacheTiers):
         used = sum(b.nbytes for b in chain[:-1]) + chain[-1].nbytes * last_use // len(chain[-1].ids)
         kind = "disk" if restored else "trimmed" if last_use < len(chain[-1].ids) else "prefix"
         return Hit(chain, tokens, kind, _assemble(parts, tokens),  # type: ignore[arg-type]
-                   join_bytes=used * (2 if len(chain) > 1 else 1))
+                   join_bytes=used * (2 if len(chain) > 1 else 1),
+                   assembled_bytes=used if len(chain) > 1 else 0)
 
     def release(self, hit: Hit) -> None:
         for b in hit.blocks:

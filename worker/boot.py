@@ -79,7 +79,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     step = prefill_step(cfg.prefill_step_size, probe.device)
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
                                prefill_step_tokens=step,
-                               prefill_batch_size=PREFILL_BATCH_SIZE)
+                               prefill_batch_size=PREFILL_BATCH_SIZE,
+                               attention_copies=probe.device != "cpu")
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4

@@ -136,6 +136,7 @@ class WorkerCore:
         e = self.engine
         return EngineView(running_totals=e.totals(), prefilling=e.num_prefilling(),
                           prefill_rows=e.prefill_rows(), joining_bytes=e.joining_bytes(),
+                          joining_assembled_bytes=e.joining_assembled_bytes(),
                           scoring_tokens=e.scoring_context())
 
     # -- input -----------------------------------------------------------------------
@@ -442,6 +443,8 @@ class WorkerCore:
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
             self.gate.rebase(self.view())
+        elif view.joining_bytes and self.engine.joining_bytes() < view.joining_bytes:
+            self.gate.rebase(self.view())  # a hit's row joined: its copy is no longer promised
         stored_at = time.perf_counter()
         failure: Exception | None = None
         try:

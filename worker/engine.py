@@ -231,6 +231,10 @@ class Engine:
         (a scored row's copy is in its length: ``totals``)."""
         return sum(r.hit.nbytes for r in self.running.values() if r.hit is not None)
 
+    def joining_assembled_bytes(self) -> int:
+        """Of those copies, what is held beside the rows' own KV (``Reuse.assembled_bytes``)."""
+        return sum(r.hit.assembled_bytes for r in self.running.values() if r.hit is not None)
+
     def cancel_all(self) -> list[str]:
         ids = list(self.running)
         for request_id in ids:

@@ -147,6 +147,7 @@ class EngineView:
     prefilling: int = 0             # rows whose prompt is not fully processed yet
     prefill_rows: int = 0           # rows the next step's prefill chunk covers
     joining_bytes: int = 0          # cache hits whose rows join the batch next step: their copy
+    joining_assembled_bytes: int = 0  # of that, what is held beside the rows' own KV
     scoring_tokens: int = 0         # the longest prompt being scored (prompt logprobs); 0: none
 
     @property
@@ -321,13 +322,13 @@ class MemoryGate:
         if scoring:
             reach = costmodel.scored_reach_tokens(prompt_tokens, max_tokens) - prompt_tokens
         score = max(view.scoring_tokens, prompt_tokens if scoring else 0)
-        fits, worst = self._fits(view, prompt_tokens, reach, score)
+        fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
         last = self.memory.last
         if not fits and last is not None and last.cache_bytes > 0:
             # The buffer cache is reclaimable, not lost: clear it before saying "no room".
             self.memory.probe.clear_cache()
-            fits, worst = self._fits(view, prompt_tokens, reach, score)
-        old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0)
+            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
+        old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0) + view.joining_assembled_bytes
         cold = False
         while not fits and (worst <= m.budget_bytes or reuse is not None):
             shortfall = worst - old_worst - self.free_bytes()
@@ -339,13 +340,13 @@ class MemoryGate:
                 # overhang (kv_reach_tokens) alone passes. It lets go and runs cold.
                 self.cache.release(reuse)
                 reuse, cold, reach = None, True, max_tokens
-                fits, worst = self._fits(view, prompt_tokens, reach, score)
+                fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
                 continue
             # Cached prompts no request holds go before any request waits for memory (only
             # when giving them back is enough: otherwise the request waits for running rows).
             if not 0 < shortfall <= evictable or self.cache.evict(shortfall, "admission") <= 0:
                 break
-            fits, worst = self._fits(view, prompt_tokens, reach, score)
+            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
         if not fits:
             self._hurry_writer()
             return Decision(RejectReason.NOT_NOW, "no room now", worst, cold=cold)
@@ -371,7 +372,7 @@ class MemoryGate:
         # (``tokens``: kv_reach_tokens), so can_admit does not then let go of the read.
         reach = max_tokens + self._reuse_overhang(prompt_tokens + max_tokens, tokens)
         fits, _ = costmodel.fits_now(self.model, view.running_totals, prompt_tokens, reach,
-                                     view.prefilling, free)
+                                     view.prefilling, free, joining_bytes=view.joining_assembled_bytes)
         return fits
 
     def restore_room(self, view: EngineView, prompt_tokens: int, max_tokens: int) -> Callable[[int], bool]:
@@ -386,9 +387,10 @@ class MemoryGate:
             self.bound_pool()
 
     def rebase(self, view: EngineView) -> None:
-        """Rows left (finished, cancelled, evicted): promise what the rest still need."""
+        """Rows left (finished, cancelled, evicted) or joined: promise what the rest still
+        need, the copies of hits whose rows have not joined yet among it."""
         self.memory.reserved_bytes = (costmodel.batch_cost_bytes(self.model, view.rows, view.longest, 0, 0, 0)
-                                      if view.rows and self.admission else 0)
+                                      + view.joining_assembled_bytes if view.rows and self.admission else 0)
         self.bound_pool()
 
     def bound_pool(self) -> None:
@@ -404,9 +406,11 @@ class MemoryGate:
             self._follow_device()
 
     def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int,
-              score_context: int = 0) -> tuple[bool, int]:
+              score_context: int = 0, reuse: Any = None) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
-                                  view.prefilling, self.free_bytes(), score_context)
+                                  view.prefilling, self.free_bytes(), score_context,
+                                  joining_bytes=view.joining_assembled_bytes,
+                                  joins_bytes=reuse.assembled_bytes if reuse is not None else 0)
 
     def allocated_bytes(self) -> int:
         """What running rows already hold above weights, baseline and the prefix cache."""

@@ -109,6 +109,10 @@ class Hit:
     def nbytes(self) -> int:
         return self.entry.nbytes
 
+    @property
+    def assembled_bytes(self) -> int:
+        return 0  # the entry is copied straight into the batch: the row's own KV
+
 
 @dataclass(slots=True)
 class HitCounts:
@@ -187,6 +191,11 @@ class Reuse(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def assembled_bytes(self) -> int:
+        """What its join holds beside the row's own copy of the prefix (which the batch's
+        worst case already charges): what admission must promise for the join."""
 
 
 class CacheTiers:

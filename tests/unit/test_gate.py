@@ -710,7 +710,7 @@ def test_the_scale_windows_max_is_the_largest_ratio_of_the_last_minute(
 
 # The hit handed to the request being admitted: the cache's newest promise (a whole number
 # of KV steps, so it charges nothing beyond the request's length).
-REUSE = SimpleNamespace(tokens=2 * costmodel.KV_STEP_TOKENS)
+REUSE = SimpleNamespace(assembled_bytes=0, tokens=2 * costmodel.KV_STEP_TOKENS)
 
 
 def cost_between(gate: MemoryGate, low: int, high: int) -> tuple[int, int]:
@@ -789,12 +789,37 @@ def test_a_disk_read_is_made_only_if_the_request_still_fits_beside_it() -> None:
     assert room(150 * MIB) and not room(350 * MIB)
 
 
+def test_a_hits_join_is_promised_with_the_batch_until_its_row_has_joined() -> None:
+    """A hit of several blocks joins through their concatenation, held beside the row's own
+    copy for that step: admission charges it, the promise keeps it while the row has not
+    joined (``rebase``), and a request whose join does not fit runs cold instead."""
+    gate, _ = make_gate()
+    plain = gate.can_admit(view(), 1024, 64, reuse=SimpleNamespace(assembled_bytes=0, tokens=512))
+    joined = gate.can_admit(view(), 1024, 64, reuse=SimpleNamespace(assembled_bytes=40 * MIB, tokens=512))
+    assert joined.admit and joined.worst_bytes == plain.worst_bytes + 40 * MIB
+    gate.reserve(joined)
+    pending = EngineView(running_totals=[1088], joining_bytes=80 * MIB, joining_assembled_bytes=40 * MIB)
+    gate.rebase(pending)
+    assert gate.memory.reserved_bytes == costmodel.batch_cost_bytes(gate.model, 1, 1088, 0, 0, 0) + 40 * MIB
+    gate.rebase(view(1088))  # it joined: the copy is no longer promised
+    assert gate.memory.reserved_bytes == costmodel.batch_cost_bytes(gate.model, 1, 1088, 0, 0, 0)
+    # A join that does not fit beside the request makes it run cold.
+    gate, _ = make_gate()
+    prompt, max_tokens = cost_between(gate, 300 * MIB, 340 * MIB)
+    big = SimpleNamespace(assembled_bytes=gate.free_bytes() - 290 * MIB, tokens=256)
+    released: list[object] = []
+    gate.cache = SimpleNamespace(ledger=lambda: CacheLedger(), release=released.append, evict=lambda n, why: 0,
+                                 hurry=lambda: None)
+    decision = gate.can_admit(view(), prompt, max_tokens, reuse=big)
+    assert decision.admit and decision.cold and released == [big]
+
+
 def test_a_reuse_off_the_kv_step_is_charged_where_its_buffer_grows() -> None:
     """mlx-lm sizes a reused prefix's buffer to exactly its length and grows it in whole
     steps from there: 235 cached tokens of a 252-token request reach 491, not 256."""
     gate, _ = make_gate()
-    aligned = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(tokens=256))
-    off = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(tokens=235))
+    aligned = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(assembled_bytes=0, tokens=256))
+    off = gate.can_admit(view(), 236, 16, reuse=SimpleNamespace(assembled_bytes=0, tokens=235))
     cold = gate.can_admit(view(), 236, 16)
     assert aligned.admit and off.admit and cold.admit
     assert off.worst_bytes == gate.can_admit(view(), 236, 491 - 236).worst_bytes > cold.worst_bytes
@@ -816,7 +841,7 @@ def test_a_request_that_fits_cold_is_admitted_whatever_its_reuse() -> None:
             prompt = total - 16
             if cached >= prompt or not gate.can_admit(view(), prompt, 16).admit:
                 continue
-            decision = gate.can_admit(view(), prompt, 16, reuse=SimpleNamespace(tokens=cached))
+            decision = gate.can_admit(view(), prompt, 16, reuse=SimpleNamespace(assembled_bytes=0, tokens=cached))
             assert decision.admit, (total, cached)
             checked += 1
     assert checked > 100

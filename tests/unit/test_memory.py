@@ -582,3 +582,18 @@ def test_margin_is_a_share_of_what_is_above_the_weights() -> None:
     m = static_cost_model(make_shape(weights_bytes=weights), limit_bytes=weights + GIB,
                           baseline_bytes=0, prefill_step_tokens=512, prefill_batch_size=8)
     assert m.budget_bytes == GIB - int(GIB * MARGIN_FRACTION)
+
+
+def test_a_gpu_rows_context_floor_is_one_layers_keys_and_values_twice() -> None:
+    """On a GPU attention reads a layer's keys and values through a copy (the H200, in
+    order: ~8.5 KB per context token per decode row of an 8B model): the static model's
+    floor is twice a layer's KV per token. MLX's CPU backend, where the probe measures
+    none in order, gets no floor."""
+    shape = make_shape()
+    gpu = static_cost_model(shape, limit_bytes=16 * GIB, baseline_bytes=0, prefill_step_tokens=512,
+                            prefill_batch_size=8)
+    cpu = static_cost_model(shape, limit_bytes=16 * GIB, baseline_bytes=0, prefill_step_tokens=512,
+                            prefill_batch_size=8, attention_copies=False)
+    assert gpu.prefill_d_bytes == 2 * gpu.kv_bytes_per_token / shape.num_layers > 0
+    assert cpu.prefill_d_bytes == 0.0
+    assert cpu.prefill_a_bytes == gpu.prefill_a_bytes and cpu.budget_bytes == gpu.budget_bytes
