@@ -1,7 +1,8 @@
 """A standby worker process, kept by a supervisor so that a restart skips the imports.
 
-The supervisor spawns ``python -m worker --standby ARGS`` once its worker is ready (never
-beside a worker still starting, which it would slow on a small machine); the standby
+The supervisor spawns ``python -m worker --standby ARGS`` once its worker has been ready for
+``STANDBY_AFTER_S`` (never beside a worker still starting or compiling for its first
+requests, which it would slow on a small machine); the standby
 imports what a worker needs short of touching a device (``worker/standby.py``) and waits
 on its stdin. When the worker has exited and is to be replaced, the supervisor writes the
 new worker's arguments there and the standby becomes that worker: same pipes, same pid.
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 WORKER_MODULE = ("-m", "worker")
 STANDBY_FLAG = "--standby"       # worker/__main__.py's
 DISCARD_TIMEOUT_S = 5.0          # TERM → KILL: it holds nothing, and exits at once
+# A standby is spawned once its worker has been ready this long: its imports (a second of
+# CPU on the demo model, more on a Mac) then never compete with the first requests of a
+# worker just started, which compile kernels; a worker that dies sooner is spawned fresh.
+STANDBY_AFTER_S = 10.0
 
 
 def worker_args(argv: Sequence[str]) -> list[str] | None:
@@ -93,6 +98,7 @@ class StandbySlot:
         self._standby: Standby | None = None
         self._spawning: asyncio.Task[None] | None = None
         self._closed = False
+        self._close_event = asyncio.Event()
 
     @property
     def pid(self) -> int | None:
@@ -118,6 +124,7 @@ class StandbySlot:
 
     async def close(self) -> None:
         self._closed = True
+        self._close_event.set()
         if self._spawning is not None:
             with contextlib.suppress(Exception):
                 await self._spawning  # a spawn under way sees _closed and discards its standby
@@ -127,6 +134,13 @@ class StandbySlot:
             await standby.discard()
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
+        try:  # the supervisor's stop ends the wait at once
+            await asyncio.wait_for(self._close_event.wait(), STANDBY_AFTER_S)
+            return
+        except TimeoutError:
+            pass
+        if self._closed or self._standby is not None:
+            return
         try:
             standby = await Standby.spawn(argv, env)
         except OSError as exc:  # the next start spawns a new process, as it always could

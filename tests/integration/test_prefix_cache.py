@@ -245,7 +245,7 @@ def test_a_growing_conversation_near_the_limit_never_passes_it_when_its_turns_jo
     pid = router.worker()["pid"]
     rng = random.Random(3)
     ids = [rng.randrange(3, 500) for _ in range(JOIN_BASE_TOKENS)]
-    for more in (60, 120, 180):
+    for more in (60, 120):  # the second is the first cached turn: where it aborted
         ids += [rng.randrange(3, 500) for _ in range(more)]
         resp = router.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 8, "ignore_eos": True,
                                                          "temperature": 0}, timeout=TIMEOUT_S)
