@@ -196,6 +196,9 @@ class RouterConfig(PromptCacheOptions):
         10.0, "Seconds a worker's step counter may stand still while it has work (or 5 times "
         "its slowest step, if more) before it is treated as wedged: killed and restarted, or "
         "marked down if external.", flag="stall-timeout")
+    standby_delay_s: float = opt(
+        10.0, "Seconds a spawned worker is ready before a standby process (imports done, no "
+        "model) is started beside it for its next restart; 0: at once.", flag="standby-delay")
     max_body_bytes: int = opt(8 * 1024 * 1024, "Largest request body; more gets 413.")
     log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
     log_format: str = opt("text", "Log format.", choices=("text", "json"))
@@ -248,6 +251,8 @@ class RouterConfig(PromptCacheOptions):
                      "stream_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.standby_delay_s >= 0:  # also refuses NaN
+            raise ConfigError(f"--standby-delay must be >= 0, got {self.standby_delay_s}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

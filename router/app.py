@@ -131,7 +131,7 @@ def make_fleet(cfg: RouterConfig, addr: str, env: Mapping[str, str], dispatcher:
 
     def make_spawn(spec: ModelSpec, lease_bytes: int | None) -> SpawnSpec:
         limit = lease_mb(lease_bytes) if lease_bytes is not None else None
-        return SpawnSpec(worker_argv(cfg, addr, spec.source, limit), worker_env(env))
+        return SpawnSpec(worker_argv(cfg, addr, spec.source, limit), worker_env(env), cfg.standby_delay_s)
 
     return Fleet(catalog, dispatcher, metrics,
                  make_spawn=make_spawn if cfg.worker_mode == "spawn" else None,

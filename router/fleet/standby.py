@@ -104,12 +104,13 @@ class StandbySlot:
     def pid(self) -> int | None:
         return self._standby.pid if self._standby is not None else None
 
-    def fill(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        """Spawn a standby for ``argv``'s worker, unless one is there or coming."""
+    def fill(self, argv: Sequence[str], env: dict[str, str], after_s: float = STANDBY_AFTER_S) -> None:
+        """Spawn a standby for ``argv``'s worker in ``after_s`` seconds, unless one is there
+        or coming."""
         if self._closed or self._standby is not None or worker_args(argv) is None or (
                 self._spawning is not None and not self._spawning.done()):
             return
-        self._spawning = asyncio.create_task(self._spawn(list(argv), dict(env)), name="standby-spawn")
+        self._spawning = asyncio.create_task(self._spawn(list(argv), dict(env), after_s), name="standby-spawn")
 
     async def take(self, argv: Sequence[str], env: dict[str, str]) -> asyncio.subprocess.Process | None:
         """The standby's process, told to run as ``argv``'s worker; None when there is no
@@ -133,9 +134,9 @@ class StandbySlot:
             log.info("[shutdown] stopping standby worker %d", standby.pid)
             await standby.discard()
 
-    async def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
+    async def _spawn(self, argv: list[str], env: dict[str, str], after_s: float) -> None:
         try:  # the supervisor's stop ends the wait at once
-            await asyncio.wait_for(self._close_event.wait(), STANDBY_AFTER_S)
+            await asyncio.wait_for(self._close_event.wait(), max(after_s, 0.0))
             return
         except TimeoutError:
             pass

@@ -33,7 +33,7 @@ from prometheus_client import Counter, Enum
 
 from common.protocol import ExitCode, Heartbeat, Hello, Message, Shutdown
 from router.fleet.link import STALL_TIMEOUT_S, WorkerLink
-from router.fleet.standby import StandbySlot
+from router.fleet.standby import STANDBY_AFTER_S, StandbySlot
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class ExitRecord:
 class SpawnSpec:
     argv: list[str]              # the worker command, minus --incarnation
     env: dict[str, str]
+    standby_delay_s: float = STANDBY_AFTER_S  # ready this long, then its standby (--standby-delay)
 
 
 def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
@@ -234,7 +235,7 @@ class Supervisor:
         self._deaths_before_ready = 0
         self._set(WorkerState.READY, "serving")
         if self.spawn_spec is not None and not self._stopping:
-            self.standby.fill(self.spawn_spec.argv, self.spawn_spec.env)
+            self.standby.fill(self.spawn_spec.argv, self.spawn_spec.env, self.spawn_spec.standby_delay_s)
 
     def on_replaced(self, why: str) -> None:
         """An external worker whose peer is gone, replaced by a new one of its model (a

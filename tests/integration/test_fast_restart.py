@@ -36,7 +36,7 @@ def standby_of(router: Router, but_not: tuple[int | None, ...] = ()) -> int:
 
 def test_a_killed_worker_is_replaced_by_its_standby_within_the_figure(
         fresh_router: Callable[..., Router]) -> None:
-    router = fresh_router()
+    router = fresh_router("--standby-delay", "0")
     old = router.worker()["pid"]
     standby = standby_of(router)
     proc = psutil.Process(standby)

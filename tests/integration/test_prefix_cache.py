@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import random
 import re
 import signal
 import time
@@ -38,10 +37,6 @@ USERS = ["Which flag sets the memory limit?", "And the cache size?", "Does it su
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8}
 SEEDED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 8}
 TIGHT = ["--memory-limit-mb", "120", "--oom-guard", "abort"]
-# Where a conversation's cached turns came within 1 % of the limit before their joins were
-# promised (650 tokens and growing: its hits span several blocks).
-JOIN = ["--memory-limit-mb", "160", "--oom-guard", "abort"]
-JOIN_BASE_TOKENS = 650
 TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 90.0
 
@@ -52,8 +47,7 @@ def routers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """Started together, and with the session's router if it is not up yet: their model
     loads and warm starts overlap."""
     started = {"cold": Router(tmp_path_factory.mktemp("cold"), cache_home, "--no-prompt-cache"),
-               "tight": Router(tmp_path_factory.mktemp("tight"), cache_home, *TIGHT),
-               "join": Router(tmp_path_factory.mktemp("join"), cache_home, *JOIN)}
+               "tight": Router(tmp_path_factory.mktemp("tight"), cache_home, *TIGHT)}
     try:
         request.getfixturevalue("router")
         for r in started.values():
@@ -228,28 +222,6 @@ def test_cached_prompts_are_given_back_before_a_request_would_wait(routers: dict
     assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in responses)
     assert memory_evictions(router) > evicted, "cached prompts were given back for the requests"
-    final = router.memory()["workers"][0]
-    assert final["peak_bytes"] <= final["limit_bytes"]
-    assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0
-
-
-def test_a_growing_conversation_near_the_limit_never_passes_it_when_its_turns_join_from_cache(
-        routers: dict[str, Router]) -> None:
-    """A hit of several blocks joins the batch through their concatenation, held beside the
-    row's own copy for that step: admission promises it. When it was only charged to the
-    step's chunk, a conversation's later turns near the limit passed it (here --oom-guard
-    abort: the worker died, as on Metal) and were retried cold. Now each turn joins from the
-    cache within the limit or runs cold (here cold: the join does not fit): never an abort.
-    (That cached turns still join where they fit: the other tests of this file.)"""
-    router = routers["join"]
-    pid = router.worker()["pid"]
-    rng = random.Random(3)
-    ids = [rng.randrange(3, 500) for _ in range(JOIN_BASE_TOKENS)]
-    for more in (60, 120):  # the second is the first cached turn: where it aborted
-        ids += [rng.randrange(3, 500) for _ in range(more)]
-        resp = router.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 8, "ignore_eos": True,
-                                                         "temperature": 0}, timeout=TIMEOUT_S)
-        assert resp.status_code == 200, resp.text
     final = router.memory()["workers"][0]
     assert final["peak_bytes"] <= final["limit_bytes"]
     assert router.worker()["pid"] == pid and router.worker()["restarts"] == 0

@@ -166,7 +166,7 @@ def test_wedged_engine_loop_is_detected_and_replaced(fresh_router: Callable[...,
 
 def test_spawned_worker_and_its_standby_exit_when_their_router_dies(
         fresh_router: Callable[..., Router]) -> None:
-    router = fresh_router()
+    router = fresh_router("--standby-delay", "0")
     pid = router.worker()["pid"]
     standby = wait_until(lambda: router.worker().get("standby_pid"), 30, "a standby worker",
                          on_fail=router.log)
