@@ -327,7 +327,7 @@ def chunk_that_fits(m: CostModel, rows: int, longest_tokens: int, prefill_rows: 
 
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
              prefill_rows: int, free_bytes: int, score_context: int = 0, *,
-             joining_bytes: int = 0, joins_bytes: int = 0) -> tuple[bool, int]:
+             joining_bytes: int = 0, own_join_bytes: int = 0) -> tuple[bool, int]:
     """Can a request join the running batch now? Returns (fits, the batch's new worst case).
 
     The batch's worst case is charged in the real padded shape: every row as long as the
@@ -337,12 +337,12 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     not yet allocated; the increment must fit in it. ``score_context``: the longest prompt
     being scored (this request's or a running one's; 0: none), whose scoring chunk runs in
     the same step as the batch's forward: charged beside it at the smallest chunk.
-    ``joining_bytes``: the copies still to be made of prefix-cache hits whose rows have not
-    joined the batch (already promised); ``joins_bytes``: this request's own hit's copy. A
-    row joining from a cached prefix holds the hit's concatenation and the batch's copy of
-    it for that step beside everything else: promised with the batch until it has joined
-    (on the demo model a second cached turn under 400 MB passed its limit by 1 % when only
-    the chunk was sized to it).
+    ``joining_bytes``: what the joins of prefix-cache hits whose rows have not joined the
+    batch yet will hold beside those rows' own KV (already promised); ``own_join_bytes``:
+    the same for this request's own hit. A row joining from a hit of several blocks holds
+    their concatenation beside its own copy for that step: promised with the batch until
+    it has joined (on the demo model under 160 MB a conversation's first cached turn passed
+    the limit when only the step's chunk was sized to it).
     """
     total = prompt_tokens + max_tokens
     old_worst = joining_bytes
@@ -354,7 +354,7 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     context = longest if running_totals else prompt_tokens
     room = min(m.budget_bytes, old_worst + max(free_bytes, 0))
     score = scoring_step_bytes(m, min(MIN_CHUNK_TOKENS, score_context), score_context)
-    joins = joining_bytes + joins_bytes
+    joins = joining_bytes + own_join_bytes
     chunk = chunk_that_fits(m, rows, longest, prefill_rows + 1, context, room - score - joins,
                             min(max(prompt_tokens, 1), m.prefill_step_tokens))
     new_worst = batch_cost_bytes(m, rows, longest, chunk, prefill_rows + 1, context) + score + joins

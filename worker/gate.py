@@ -410,7 +410,7 @@ class MemoryGate:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
                                   view.prefilling, self.free_bytes(), score_context,
                                   joining_bytes=view.joining_assembled_bytes,
-                                  joins_bytes=reuse.assembled_bytes if reuse is not None else 0)
+                                  own_join_bytes=reuse.assembled_bytes if reuse is not None else 0)
 
     def allocated_bytes(self) -> int:
         """What running rows already hold above weights, baseline and the prefix cache."""
