@@ -24,8 +24,8 @@ Samples that are not fitted (two chunks, a decode step, and a decode step of sev
 are held out and their measured/predicted ratio is reported, so the fit is checked, not
 only made. The conservative fit sizes admission (the larger of measured-with-margin and
 static), and the prefill chunk is never raised above the static estimate. A probe that
-fails keeps the static model. Results are cached by model fingerprint, MLX version, device
-and limit, so a restart does not pay for it again.
+fails keeps the static model. Results are cached by model fingerprint, MLX version and
+device (not the limit: ``cache_key``), so a restart does not pay for it again.
 """
 
 from __future__ import annotations
