@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,10 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-arg", action="append", default=[],
                    help="one more router flag, e.g. --router-arg=--memory-limit-mb=20797")
     p.add_argument("--idle-s", type=float, default=1.0, help="idle seconds before each restart")
+    p.add_argument("--keep-log", type=Path, default=None, metavar="FILE",
+                   help="copy the router's log (its worker's lines included) here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
-        print(json.dumps(measure(args.root.resolve(), Path(tmp), args.model, tuple(args.router_arg),
-                                 args.idle_s), indent=1))
+        try:
+            print(json.dumps(measure(args.root.resolve(), Path(tmp), args.model, tuple(args.router_arg),
+                                     args.idle_s), indent=1))
+        finally:
+            if args.keep_log is not None and (Path(tmp) / "router.log").exists():
+                shutil.copyfile(Path(tmp) / "router.log", args.keep_log)
     return 0
 
 
