@@ -52,6 +52,7 @@ class RunResult:
     prompt_kind: str = "short"          # bench/prompts.py PROMPT_TOKENS key
     worker_restarts: int = 0            # supervised worker restarts during this run
     cpu_s: float = math.nan             # CPU seconds the system's processes used in it
+    cpu_parts_s: dict[str, float] = field(default_factory=dict)  # the same by role (server, worker, standby)
 
 
 def workload_key(prompt_kind: str, concurrency: int) -> str:
@@ -93,6 +94,7 @@ class Summary:
     error_samples: list[str]
     worker_restarts: int
     cpu_ms_per_token: float             # Σ system CPU / Σ tokens: robust to a busy box
+    cpu_ms_per_token_parts: dict[str, float] = field(default_factory=dict)  # by role, where known
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +134,8 @@ def summarize(runs: list[RunResult]) -> Summary:
         tokens_per_s_by_rep=by_rep, error_samples=sorted(set(errors))[:5],
         worker_restarts=sum(run.worker_restarts for run in runs),
         cpu_ms_per_token=sum(run.cpu_s for run in runs) / tokens * 1e3 if tokens else math.nan,
+        cpu_ms_per_token_parts={role: round(sum(run.cpu_parts_s.get(role, 0.0) for run in runs) / tokens * 1e3, 3)
+                                for role in sorted({k for run in runs for k in run.cpu_parts_s})} if tokens else {},
     )
 
 

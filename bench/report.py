@@ -201,6 +201,10 @@ def render(doc: dict[str, Any]) -> str:
                 f"{_fmt(d['tps_ratio_vs_headroom'].get(s, {}).get(w), 3):>10}"
                 f"{_fmt(d['tps_ratio_vs_inprocess'].get(s, {}).get(w), 3):>9}"
                 f"{_spread(r['tokens_per_s_by_rep']):>11}")
+    parts = [f"{s} {w}: " + ", ".join(f"{role} {ms:.2f}" for role, ms in r["cpu_ms_per_token_parts"].items())
+             for s, by_w in doc["results"].items() for w, r in by_w.items() if r.get("cpu_ms_per_token_parts")]
+    if parts:
+        lines += ["", "CPU ms per generated token by process:", *parts]
     if doc["mixed"]:
         mx = m["mixed"]
         lines += ["", f"mixed: one ~{mx['long_prompt_tokens']}-token prompt, then {mx['shorts']} "

@@ -201,9 +201,12 @@ def _one_workload(system: System, encode: Any, cfg: ServeConfig, prompts: list[A
     if cfg.touch:
         touches[system.name] = touches.get(system.name, 0) + _touch(system, encode, cfg)
     restarts, cpu_s = system.worker_restarts(), system.cpu_s()
+    parts = system.cpu_parts() if hasattr(system, "cpu_parts") else {}
     run = system.run(prompts, concurrency=c, max_tokens=cfg.max_tokens, repetition=rep,
                      timeout_s=cfg.workload_timeout_s)
     run.cpu_s = system.cpu_s() - cpu_s
+    if parts:
+        run.cpu_parts_s = {role: s - parts.get(role, 0.0) for role, s in system.cpu_parts().items()}
     run.worker_restarts = system.worker_restarts() - restarts
     log.info("rep %d c=%d %-14s %6.1f tok/s  %d/%d ok", rep, c, system.name,
              sum(r.completion_tokens for r in run.requests if r.ok) / max(run.wall_s, 1e-9),

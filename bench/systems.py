@@ -56,6 +56,12 @@ class System(Protocol):
     def stop(self) -> None: ...
 
 
+def _role(cmdline: list[str]) -> str:
+    if "worker" in cmdline and "-m" in cmdline:
+        return "standby" if "--standby" in cmdline else "worker"
+    return "other"
+
+
 class HttpSystem:
     """A server subprocess on a free loopback port, driven by bench/client.py."""
 
@@ -103,19 +109,28 @@ class HttpSystem:
 
     def cpu_s(self) -> float:
         """The server and its children (Headroom's worker is the router's child)."""
+        return sum(self.cpu_parts().values())
+
+    def cpu_parts(self) -> dict[str, float]:
+        """CPU seconds so far by role: the server process, its workers and standbys, others.
+
+        Which process burns the CPU is the first question when a system's CPU per token is
+        high. A process that exits in a workload (a restarted worker) takes its CPU with it.
+        """
         import psutil
 
         assert self.proc.popen is not None
-        total = 0.0
+        parts: dict[str, float] = {}
         try:
             root = psutil.Process(self.proc.popen.pid)
             for p in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     t = p.cpu_times()
-                    total += t.user + t.system
+                    role = "server" if p.pid == root.pid else _role(p.cmdline())
+                    parts[role] = parts.get(role, 0.0) + t.user + t.system
         except psutil.NoSuchProcess:
             pass
-        return total
+        return parts
 
     def stop(self) -> None:
         code = self.proc.stop()
