@@ -38,6 +38,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from common import costmodel
 from common.protocol import SamplingParams
 from worker.containment import RowFailures
+from worker import kvcopy
 from worker.grammar import GrammarCompiler
 from worker.prefix_cache import CacheTiers, Reuse
 from worker.sampling import logprob_rows, make_processors, make_sampler
@@ -115,6 +116,7 @@ class Engine:
                  prefill_batch_size: int, max_batch_size: int,
                  grammars: GrammarCompiler | None = None) -> None:
         self.grammars = grammars
+        kvcopy.install()  # rows joining and leaving a large batch copy it one layer at a time
         self._eos = StopSequences([[e] for e in eos_token_ids] or None)
         self._no_eos = StopSequences(None)
         self.generator = BatchGenerator(
