@@ -1,7 +1,8 @@
 """Restart and stop timing: ``python -m bench.restart [--root DIR] [--model M] [--idle-s S]``.
 
 A router on the demo model (or ``--model``, with ``--router-arg`` flags; from the checkout
-``--root``, default this one), then, after ``--idle-s`` (1 s) idle each, an operator
+``--root``, default this one), then, after ``--idle-s`` (1 s) idle and once the worker's
+standby has finished its imports (unless ``--no-wait-standby``), each: an operator
 restart (``POST /admin/workers/restart``) and a SIGKILL of the worker, twice: seconds until
 the old process is gone and until the new worker serves a completion, and the new worker's
 start by phase from its log (from a standby or a new process; imports, weights, tokenizer,
@@ -61,8 +62,32 @@ def phases(lines: list[str], pid: int) -> dict[str, Any]:
     return out
 
 
+def _wait_standby(health: Any, timeout_s: float = READY_S) -> float | None:
+    """Until the worker's standby is there and done importing (its CPU time still for a
+    second: it waits on its stdin); seconds waited, None if none came. A restart while the
+    standby still imports measures the imports (on the H200's host ~14 s), not the restart."""
+    import psutil
+
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while time.monotonic() < deadline:
+        pid = health().get("workers", [{}])[0].get("standby_pid")
+        if pid:
+            try:
+                proc = psutil.Process(pid)
+                before = sum(proc.cpu_times()[:2])
+                time.sleep(1.0)
+                if sum(proc.cpu_times()[:2]) - before < 0.01:
+                    return round(time.monotonic() - started, 2)
+                continue
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.2)
+    return None
+
+
 def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[str, ...] = (),
-            idle_s: float = 1.0) -> dict[str, Any]:
+            idle_s: float = 1.0, wait_standby: bool = True) -> dict[str, Any]:
     port = free_port()
     env = dict(os.environ, XDG_RUNTIME_DIR=str(run_dir), HF_HUB_OFFLINE="1", PYTHONPATH=str(root))
     log_path = run_dir / "router.log"
@@ -84,6 +109,7 @@ def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[s
         rows = []
         for how in ("restart", "sigkill", "restart", "sigkill"):
             time.sleep(idle_s)
+            standby_s = _wait_standby(health) if wait_standby else None
             old = health()["workers"][0]["pid"]
             started = time.monotonic()
             if how == "restart":
@@ -100,7 +126,8 @@ def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[s
 
             _wait("restarted worker", serving, READY_S)
             status = http.post("/v1/completions", json={"model": "m", "prompt": "after", "max_tokens": 4}).status_code
-            rows.append({"how": how, "old_gone_s": round(gone_s[0], 3) if gone_s else None,
+            rows.append({"how": how, "standby_waited_s": standby_s,
+                         "old_gone_s": round(gone_s[0], 3) if gone_s else None,
                          "serving_s": round(time.monotonic() - started, 2), "status": status,
                          "pid": health()["workers"][0]["pid"]})
     finally:
@@ -125,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-arg", action="append", default=[],
                    help="one more router flag, e.g. --router-arg=--memory-limit-mb=20797")
     p.add_argument("--idle-s", type=float, default=1.0, help="idle seconds before each restart")
+    p.add_argument("--no-wait-standby", action="store_true",
+                   help="restart without waiting for the standby to finish its imports")
     p.add_argument("--keep-log", type=Path, default=None, metavar="FILE",
                    help="copy the router's log (its worker's lines included) here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         try:
             print(json.dumps(measure(args.root.resolve(), Path(tmp), args.model, tuple(args.router_arg),
-                                     args.idle_s), indent=1))
+                                     args.idle_s, not args.no_wait_standby), indent=1))
         finally:
             if args.keep_log is not None and (Path(tmp) / "router.log").exists():
                 shutil.copyfile(Path(tmp) / "router.log", args.keep_log)

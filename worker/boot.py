@@ -29,7 +29,7 @@ from worker.memory import DeviceProbe, MemoryState, ModelShape, static_cost_mode
 from worker.prefix_cache import DEFAULT_BUDGET_SHARE, CacheTiers, PrefixCache
 from worker.server import ServerOptions, WorkerServer
 from worker.shape import make_grammars, model_shape
-from worker.warmup import refill, warm_up
+from worker.warmup import CACHED_KERNELS_PLAN, PLAN, refill, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ def prefill_step(flag: int, device: str) -> int:
 
 WARMUP_BUDGET_S = {"cpu": 0.5}
 WARMUP_BUDGET_DEFAULT_S = 60.0
+
+
+def warmup_plan(device: str, calibration_source: str) -> tuple[tuple[str, int], ...]:
+    """The whole plan, but on a GPU that ran this model before (its calibration came from
+    the cache, its kernels are in MLX's disk cache): the first requests' parts only."""
+    return CACHED_KERNELS_PLAN if device != "cpu" and calibration_source == "cache" else PLAN
 
 
 class NotEnoughMemory(RuntimeError):
@@ -116,6 +122,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     warm = warm_up(engine, model, vocab_size=shape.vocab_size, max_chunk=step,
                    max_batch=cfg.max_batch_size,
                    budget_s=WARMUP_BUDGET_S.get(probe.device, WARMUP_BUDGET_DEFAULT_S),
+                   plan=warmup_plan(probe.device, calibration.source),
                    holdout_ratio=calibration.holdout_ratio)
     probe.clear_cache()
     model = settle_baseline(probe, memory, model, shape.weights_bytes)

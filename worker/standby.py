@@ -6,7 +6,9 @@ needs that touches no device, then waits on stdin for one line, a JSON list: the
 arguments it is to run with. The supervisor writes that line only once the worker it
 replaces has exited, so two copies of the weights never coexist; until then this process
 holds no model and no device memory, and about 100 MB of host memory. Stdin closing first
-(the router stopped) ends it quietly.
+(the router stopped) ends it quietly. A standby told to go before its imports are done
+finishes them first; its start is counted from when it was told (its log line's "imports"
+is then what was left of them).
 """
 
 from __future__ import annotations
@@ -72,23 +74,28 @@ def _import_the_rest() -> None:
     import common.protocol  # noqa: F401
 
 
-def wait_for_arguments() -> list[str] | None:
-    """The worker's arguments, or None when stdin closed first. Read byte by byte: the
-    rest of stdin is the parent's pipe, which the worker goes on watching."""
+def wait_for_arguments() -> tuple[list[str], float] | None:
+    """The worker's arguments and when it was told (wall clock), or None when stdin closed
+    first. Read byte by byte: the rest of stdin is the parent's pipe, which the worker goes
+    on watching. The line is ``{"args": [...], "told_at": seconds}`` (router/fleet/standby.py)."""
     line = bytearray()
     while not line.endswith(b"\n"):
         chunk = os.read(sys.stdin.fileno(), 1)
         if not chunk:
             return None
         line += chunk
-    args = json.loads(line)
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise SystemExit(f"mlx-worker standby: expected a JSON list of arguments, got {line!r}")
-    return args
+    told = json.loads(line)
+    args = told.get("args") if isinstance(told, dict) else None
+    told_at = told.get("told_at") if isinstance(told, dict) else None
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args) \
+            or not isinstance(told_at, (int, float)):
+        raise SystemExit(f"mlx-worker standby: expected {{\"args\": [...], \"told_at\": seconds}}, got {line!r}")
+    # Never later than now (a clock step back would otherwise count negative imports).
+    return args, min(float(told_at), time.time())
 
 
 def stand_by() -> tuple[list[str], float] | None:
-    """Import, wait, and return the worker's arguments and when they came (wall clock)."""
+    """Import, wait, and return the worker's arguments and when they were given: a start
+    told to go while its imports were still running counts those that were left."""
     prepare()
-    args = wait_for_arguments()
-    return None if args is None else (args, time.time())
+    return wait_for_arguments()

@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 # when only 16 and 64 had run).
 PLAN = (("p", 16), ("d", 1), ("p", 64), ("d", 2), ("d", 4), ("d", 8), ("p", 32), ("p", 128),
         ("p", 256), ("p", 512), ("d", 16), ("d", 32), ("p", 1024), ("p", 2048))
+# A GPU worker whose calibration came from the cache follows one that ran this model on
+# this machine, whose kernels are in MLX's disk cache: the whole plan then took 4.5-4.8 s
+# on the H200 (14 parts of 0.1-0.9 s, each as cheap on demand), the largest phase of a
+# restart. Such a start warms what every first request needs (a short prefill, a decode)
+# and one large chunk, whose time seeds the chunk pacer with the device's real prefill
+# speed (a 16-token part's time is mostly kernel loads); any other shape is paid once, by
+# the first request that has it, instead of by every restart.
+CACHED_KERNELS_PLAN = (("p", 16), ("d", 1), ("p", 512))
 DECODE_TOKENS = 3
 DECODE_PROMPT = 16
 REFILL_PROMPT = 32
@@ -51,8 +59,9 @@ class WarmupReport:
 
 def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int, max_batch: int,
             budget_s: float, clock: Callable[[], float] = time.monotonic,
-            holdout_ratio: float = 0.0) -> WarmupReport:
-    """Prefill a few chunk sizes, then decode at a few batch sizes with each sampler path.
+            holdout_ratio: float = 0.0, plan: tuple[tuple[str, int], ...] = PLAN) -> WarmupReport:
+    """Prefill a few chunk sizes, then decode at a few batch sizes with each sampler path
+    (``plan``: what, in order; ``CACHED_KERNELS_PLAN`` where the kernels are on disk).
 
     A part is skipped when it would not fit the memory budget, or when the prefill speed
     measured so far says it would not finish within the time left. ``holdout_ratio`` is the
@@ -78,7 +87,7 @@ def warm_up(engine: Engine, model: CostModel, *, vocab_size: int, max_chunk: int
         spent = sum(s for _, s in report.prefill)
         return prefill_tokens * spent / max(done, 1) <= left
 
-    for kind, n in PLAN:
+    for kind, n in plan:
         if kind == "p" and n <= 4 * max_chunk:
             # Beyond one chunk the prompt goes in max_chunk pieces: the later ones run
             # attention over a longer context (on the H200 a fresh worker's first

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,12 @@ class Standby:
                 and worker_args(argv) is not None and argv[0] == self.python and env == self.env)
 
     def become(self, argv: Sequence[str]) -> asyncio.subprocess.Process:
-        """Tell it to run as ``argv``'s worker; from now on its process is that worker's."""
+        """Tell it to run as ``argv``'s worker; from now on its process is that worker's.
+        The line carries when it was told (wall clock): a standby still importing reads it
+        only once done, and its start is counted from here, imports left included."""
         args = worker_args(argv)
         assert args is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(args).encode() + b"\n")
+        self.proc.stdin.write(json.dumps({"args": args, "told_at": time.time()}).encode() + b"\n")
         return self.proc
 
     async def discard(self) -> None:

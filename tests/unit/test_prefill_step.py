@@ -142,3 +142,21 @@ def test_the_refill_runs_one_short_request_only_when_the_settled_budget_holds_it
         engine = Counting()
         assert not refill(engine, skipped, vocab_size=100)  # type: ignore[arg-type]
         assert engine.added == []
+
+
+def test_a_gpu_that_ran_the_model_before_warms_only_what_first_requests_need() -> None:
+    from worker.boot import warmup_plan
+
+    # Its calibration came from the cache: the kernels are in MLX's disk cache (a restart).
+    assert warmup_plan("cuda", "cache") == warmup.CACHED_KERNELS_PLAN
+    assert warmup_plan("metal", "cache") == warmup.CACHED_KERNELS_PLAN
+    # A first run on this machine, and the CPU (no kernels to compile), warm the whole plan.
+    assert warmup_plan("cuda", "probe") == warmup.PLAN
+    assert warmup_plan("cpu", "cache") == warmup.PLAN
+    engine = FakeEngine()
+    report = warmup.warm_up(engine, model(), vocab_size=1000, max_chunk=2048, max_batch=32, budget_s=1e9,
+                            plan=warmup.CACHED_KERNELS_PLAN)
+    assert [n - 1 for n, _ in engine.prompts] == [16, 512]   # each prompt is n + 1 tokens
+    assert report.batches == [1] and not report.skipped
+    # Its largest chunk's time is in what seeds the pacer (worker/boot.py).
+    assert max(n for n, _ in report.prefill) == 512
