@@ -22,6 +22,7 @@ LAYERS = 8
 HEADS, DIM = 8, 128
 TOKENS = 1024           # float16 keys and values: 4 rows x 1024 tokens = 16 MiB a layer
 ROWS = 4
+DEMO_ROWS = 3           # the demo model: 16 KiB a layer per token, 256-token steps: 12 MiB a layer
 
 
 def batch(rows: int, tokens: int) -> list[BatchKVCache]:
@@ -173,21 +174,21 @@ def demo():
 
 
 def finishing_step_peak(model) -> tuple[int, int]:
-    """mlx-lm's own BatchGenerator on the demo model: four rows of 240 tokens decoding (16 MiB a layer), the
+    """mlx-lm's own BatchGenerator on the demo model: three rows of 200 tokens decoding (12 MiB a layer), the
     first of which finishes. The step it finishes in: its peak above what was live before,
     and the batch's KV."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=2048)
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(240)] for i in range(ROWS)]
-    uids = gen.insert(prompts, max_tokens=[3, 12, 12, 12])
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(200)] for i in range(DEMO_ROWS)]
+    uids = gen.insert(prompts, max_tokens=[3] + [12] * (DEMO_ROWS - 1))
     # Until every row decodes and the first is one token short of its end.
     for _ in range(6):
         if any(r.uid == uids[0] and r.finish_reason for r in gen.next()[1]):
             raise AssertionError("the first row finished before it was watched")
-        if len(gen._generation_batch) == ROWS and gen._generation_batch._num_tokens[0] == 2:
+        if len(gen._generation_batch) == DEMO_ROWS and gen._generation_batch._num_tokens[0] == 2:
             break
-    assert len(gen._generation_batch) == ROWS
+    assert len(gen._generation_batch) == DEMO_ROWS
     kv = sum(c.nbytes for c in gen._generation_batch.prompt_cache)
     gc.collect()
     mx.synchronize()
