@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common.errors import BadRequest
 from router.chat.tokencache import PrefixTokenCache
 from router.chat.tokenizer import RouterTokenizer
 from tests.unit.test_tokenizer import CHATML
@@ -141,14 +142,33 @@ def edited(draw: st.DrawFn, messages: list[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
+def rendered_boundaries(tok: RouterTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        kwargs: dict[str, Any] | None, text: str, ids: list[int]) -> list[int]:
+    """The boundaries by their definition: every prefix rendered without the generation
+    prompt, kept where it is a text and a token prefix of the whole."""
+    ends = {len(messages), len(messages) - 1} | ({1} if messages[0]["role"] == "system" else set())
+    found = []
+    for k in sorted(e for e in ends if e >= 1):
+        try:
+            prefix = tok.render_chat(messages[:k], tools, kwargs, add_generation_prompt=False)
+        except BadRequest:
+            continue
+        prefix_ids = full_ids(tok, prefix)
+        if prefix and text.startswith(prefix) and 0 < len(prefix_ids) < len(ids) and ids[:len(prefix_ids)] == prefix_ids:
+            found.append(len(prefix_ids))
+    return sorted(set(found))
+
+
 def check_turn(cached: RouterTokenizer, plain: RouterTokenizer, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None) -> None:
-    """Ids and boundaries through the cache equal a full encoding's, as router/http/api.py asks them."""
+    """Ids and boundaries through the cache equal a full encoding's, as router/http/api.py
+    asks them, and the boundaries (two of their renders spared) their definition's."""
     text = cached.render_chat(messages, tools, kwargs)
     ids = cached.encode_rendered(text)
     assert ids == full_ids(cached, text)
     want = plain.message_boundaries(messages, tools, kwargs, text, full_ids(plain, text))
     assert cached.message_boundaries(messages, tools, kwargs, text, ids) == want
+    assert want == rendered_boundaries(plain, messages, tools, kwargs, text, full_ids(plain, text))
 
 
 @pytest.mark.parametrize("name", ["demo", "metaspace", "nested", "with_unk"])
