@@ -89,6 +89,9 @@ class RejectReason(StrEnum):
     REQUEST_FAILED = "request_failed"    # the row's own grammar or sampler failed mid-run
 
 
+BOUNDARIES_ALL, BOUNDARIES_FIRST, BOUNDARIES_NONE = "all", "first", "none"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello:
     """Worker → router, once after load: who it is and the cost model it admits by."""
@@ -105,6 +108,11 @@ class Hello:
     eos_token_ids: list[int]
     admission: bool
     cost_model: dict[str, Any] = field(default_factory=dict)
+    # Which message boundaries (``Generate.boundaries``) the worker uses, so the router
+    # renders no prefix for nothing: "all" (a prompt cache of whole sequences, served only
+    # at exact prefixes), "first" (KV blocks reused to the token: only a cold prompt's
+    # first, the system prompt's end, which other conversations share), "none" (no cache).
+    boundaries: str = BOUNDARIES_ALL
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from common import costmodel
 from common.config import WorkerConfig
 from common.curve import ClientKeys
-from common.protocol import Hello
+from common.protocol import BOUNDARIES_ALL, BOUNDARIES_FIRST, BOUNDARIES_NONE, Hello
 from common.version import __version__
 from worker.block_disk import BlockDisk
 from worker.block_store import BLOCK_TOKENS, BlockStore, blockable
@@ -133,12 +133,19 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     memory.warmup_s = round(warm.seconds, 3)
     max_running = cfg.max_running_requests or cfg.max_batch_size
     admission = not cfg.unsafe_no_admission
+    layers = make_prompt_cache(loaded.model)
+    cache = make_prefix_cache(cfg, model, fingerprint=loaded.fingerprint, num_layers=len(layers),
+                              blocks=blockable(layers),
+                              disk_for=lambda max_pending_bytes, make: from_options(
+        disk_bytes=cfg.prompt_cache_disk_bytes, fingerprint=loaded.fingerprint, env=env or {},
+        root=Path(cfg.prompt_cache_dir).expanduser() if cfg.prompt_cache_dir else None,
+        max_pending_bytes=max_pending_bytes, make=make))
     hello = Hello(
         incarnation=incarnation, pid=os.getpid(), package_version=__version__,
         model_id=loaded.model_id, fingerprint=loaded.fingerprint,
         context_length=shape.context_length, tokenizer_path=str(loaded.path),
         eos_token_ids=sorted(loaded.tokenizer.eos_token_ids), admission=admission,
-        cost_model=model.to_dict(),
+        cost_model=model.to_dict(), boundaries=boundaries_used(cache, engine.can_trim),
     )
     opts = ServerOptions(router_addr=cfg.router, incarnation=incarnation,
                          oom_guard=resolve_oom_guard(cfg, probe.device), admission=admission,
@@ -150,13 +157,6 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
              probe.device, probe.limit_bytes >> 20, shape.weights_bytes >> 20,
              model.budget_bytes >> 20, model.kv_bytes_per_token, max_tokens, opts.oom_guard,
              "on" if admission else "OFF")
-    layers = make_prompt_cache(loaded.model)
-    cache = make_prefix_cache(cfg, model, fingerprint=loaded.fingerprint, num_layers=len(layers),
-                              blocks=blockable(layers),
-                              disk_for=lambda max_pending_bytes, make: from_options(
-        disk_bytes=cfg.prompt_cache_disk_bytes, fingerprint=loaded.fingerprint, env=env or {},
-        root=Path(cfg.prompt_cache_dir).expanduser() if cfg.prompt_cache_dir else None,
-        max_pending_bytes=max_pending_bytes, make=make))
     server = WorkerServer(opts, engine, memory, hello, cache=cache)
     for tokens, seconds in warm.prefill:  # this device's real prefill speed, not a guess
         server.core.pacer.observe(tokens, seconds)
@@ -191,6 +191,14 @@ def make_engine(group: Any, model: Any, eos_token_ids: list[int], **kwargs: Any)
     if group is None:
         return Engine(model, eos_token_ids, **kwargs)
     return LockstepEngine(group, model, eos_token_ids, **kwargs)
+
+
+def boundaries_used(cache: CacheTiers | None, can_trim: bool) -> str:
+    """Which message boundaries this worker's engine cuts a prompt at (``Engine._cuts``),
+    told to the router in the hello so that it renders no other prefix."""
+    if cache is None:
+        return BOUNDARIES_NONE
+    return BOUNDARIES_FIRST if can_trim else BOUNDARIES_ALL
 
 
 def make_prefix_cache(cfg: WorkerConfig, model: costmodel.CostModel, *, fingerprint: str = "",

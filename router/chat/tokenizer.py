@@ -38,6 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
 from common.errors import BadRequest, ConfigError
+from common.protocol import BOUNDARIES_ALL, BOUNDARIES_FIRST, BOUNDARIES_NONE
 from router.chat.tokencache import PrefixTokenCache
 
 __all__ = [
@@ -291,15 +292,22 @@ class RouterTokenizer:
             raise BadRequest(f"chat template error: {exc}", param="messages") from exc
 
     def message_boundaries(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                           template_kwargs: dict[str, Any] | None, text: str, ids: list[int]) -> list[int]:
+                           template_kwargs: dict[str, Any] | None, text: str, ids: list[int],
+                           wanted: str = BOUNDARIES_ALL) -> list[int]:
         """Token offsets in ``ids`` (the chat ``text`` encoded) where a prefix of the chat
         ends: the system message (with the tools the template puts beside it) and the last
         two messages. The worker keeps the prompt's KV there, so the next turn, a retried
         last turn or another chat with the same system prompt reuses it; earlier turns'
         ends were stored when they were the last. A prefix is kept only when its own
         rendering is a token prefix of the whole (templates may render a message
-        differently once another follows it; BPE may merge across the cut)."""
-        ends = {len(messages), len(messages) - 1}
+        differently once another follows it; BPE may merge across the cut).
+
+        ``wanted`` (the worker's hello): "first", the system message's end only (a worker
+        whose KV blocks are reused to the token cuts a cold prompt there and nowhere else);
+        "none", nothing (no prompt cache)."""
+        if wanted == BOUNDARIES_NONE:
+            return []
+        ends = {len(messages), len(messages) - 1} if wanted != BOUNDARIES_FIRST else set()
         if messages and isinstance(messages[0], dict) and messages[0].get("role") in ("system", "developer"):
             ends.add(1)
         found: set[int] = set()

@@ -27,7 +27,7 @@ from common.errors import (
     BadRequest, ConfigError, HeadroomError, ModelNotFound, NoWorker, QueueTimeout, RequestTimeout,
 )
 from common.log import about, bind_model
-from common.protocol import Hello
+from common.protocol import BOUNDARIES_ALL, Hello
 from router.chat.plan import plan_output, template_tools
 from router.chat.sampling_params import check_token_ids
 from router.chat.schema import Parsed, parse_chat, parse_completion
@@ -261,7 +261,8 @@ class Api:
         if error is not None:
             raise error
         check_token_ids(parsed.sampling.params, tokenizer.vocab_size)
-        prompts, prompt_text, boundaries = await self._tokenize(tokenizer, parsed)
+        prompts, prompt_text, boundaries = await self._tokenize(
+            tokenizer, parsed, wanted=link.hello.boundaries if link is not None else BOUNDARIES_ALL)
         plan = plan_output(parsed, tokenizer, self.tool_parser, prompt_text)
         sampling = parsed.sampling
         if plan.grammar is not None:
@@ -312,9 +313,10 @@ class Api:
         return rows
 
     async def _tokenize(self, tokenizer: RouterTokenizer, parsed: Parsed, *, with_boundaries: bool = True,
-                        ) -> tuple[list[list[int]], str, list[int]]:
+                        wanted: str = BOUNDARIES_ALL) -> tuple[list[list[int]], str, list[int]]:
         """Each prompt's ids, a chat's rendered text (for the output plan) and its message
-        boundaries (where the worker may keep the prompt's KV for reuse)."""
+        boundaries (where the worker may keep the prompt's KV for reuse: those it uses,
+        ``wanted``, as its hello said)."""
         if parsed.messages is not None:
             tools = template_tools(parsed)
             num_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
@@ -323,8 +325,8 @@ class Api:
             def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str, list[int]]:
                 text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
                 ids = tokenizer.encode_rendered(text)
-                ends = tokenizer.message_boundaries(messages, tools, parsed.template_kwargs, text, ids) \
-                    if with_boundaries else []
+                ends = tokenizer.message_boundaries(messages, tools, parsed.template_kwargs, text, ids,
+                                                    wanted) if with_boundaries else []
                 return ids, text, ends
 
             ids, text, boundaries = await self._encode(render_and_encode, parsed.messages,

@@ -596,3 +596,22 @@ def test_text_offsets_skip_a_bos_the_text_does_not_show(spm_tok: RouterTokenizer
     assert ids[0] == 1  # <s>
     offsets = spm_tok.text_offsets(ids)
     assert offsets[:2] == [0, 0] and offsets[-1] < len(spm_tok.decode(ids))
+
+
+def test_a_worker_that_uses_the_first_boundary_only_is_sent_that_one(tok: RouterTokenizer) -> None:
+    from common.protocol import BOUNDARIES_FIRST, BOUNDARIES_NONE
+    from worker.boot import boundaries_used
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"},
+            {"role": "assistant", "content": "The quick fox."}, {"role": "user", "content": "Ça va?"}]
+    text = tok.render_chat(chat)
+    ids = tok.encode_rendered(text)
+    every = tok.message_boundaries(chat, None, None, text, ids)
+    assert tok.message_boundaries(chat, None, None, text, ids, BOUNDARIES_FIRST) == every[:1]
+    assert tok.message_boundaries(chat[1:], None, None, tok.render_chat(chat[1:]),
+                                  tok.encode_rendered(tok.render_chat(chat[1:])), BOUNDARIES_FIRST) == []
+    assert tok.message_boundaries(chat, None, None, text, ids, BOUNDARIES_NONE) == []
+    # What a worker says it uses: blocks (cut by tokens) the first, whole sequences all.
+    assert boundaries_used(object(), can_trim=True) == BOUNDARIES_FIRST  # type: ignore[arg-type]
+    assert boundaries_used(object(), can_trim=False) == "all"  # type: ignore[arg-type]
+    assert boundaries_used(None, can_trim=True) == BOUNDARIES_NONE
