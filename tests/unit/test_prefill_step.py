@@ -160,3 +160,17 @@ def test_a_gpu_that_ran_the_model_before_warms_only_what_first_requests_need() -
     assert report.batches == [1] and not report.skipped
     # Its largest chunk's time is in what seeds the pacer (worker/boot.py).
     assert max(n for n, _ in report.prefill) == 512
+
+
+def test_after_the_short_plan_the_pacer_starts_from_its_largest_chunk() -> None:
+    from worker.boot import pacer_seeds
+    from worker.pacer import ChunkPacer
+
+    steps = [(16, 0.6), (512, 0.17)]  # a restart on the H200: kernel loads, then a real chunk
+    assert pacer_seeds(steps, warmup.CACHED_KERNELS_PLAN) == [(512, 0.17)]
+    assert pacer_seeds(steps, warmup.PLAN) == steps
+    assert pacer_seeds([], warmup.CACHED_KERNELS_PLAN) == []
+    pacer = ChunkPacer(0.5, 2048)
+    for tokens, seconds in pacer_seeds(steps, warmup.CACHED_KERNELS_PLAN):
+        pacer.observe(tokens, seconds)
+    assert pacer.chunk(rows=1) == 1505  # ~3,000 tokens/s for half a second
