@@ -186,8 +186,13 @@ def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
     if rows < 2:
         return 0
     whole = batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token)
-    layer = whole / max(m.num_layers, 1)
-    return int(m.copy_factor * (LAYERWISE_COPY_LAYERS * layer if copies_layerwise(layer) else whole))
+    layers = max(m.num_layers, 1)
+    layer = whole / layers
+    if not copies_layerwise(layer):
+        return int(m.copy_factor * whole)
+    # Never below the largest whole copy a smaller batch is charged (just under the
+    # threshold on every layer): a batch's worst case must not fall as it grows.
+    return int(m.copy_factor * min(whole, max(LAYERWISE_COPY_LAYERS * layer, LAYERWISE_COPY_BYTES * layers)))
 
 
 def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int, *, scoring: bool = False) -> int:

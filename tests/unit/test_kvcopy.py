@@ -12,6 +12,8 @@ import gc
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import GenerationBatch, _extend_cache
 from mlx_lm.models.cache import BatchKVCache
 
@@ -215,3 +217,16 @@ def test_mlx_lm_finishes_a_row_one_layer_at_a_time(demo, monkeypatch):
     monkeypatch.setattr(GenerationBatch, "next", GenerationBatch.next.__wrapped__)
     whole, _ = finishing_step_peak(demo)
     assert whole >= kv // 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(kv=st.integers(1, 1 << 20), layers=st.integers(1, 128), rows=st.integers(1, 64),
+       tokens=st.integers(1, 1 << 17), more_rows=st.integers(0, 8), more_tokens=st.integers(0, 4096))
+def test_a_larger_batch_is_never_charged_a_smaller_copy(kv: int, layers: int, rows: int, tokens: int,
+                                                       more_rows: int, more_tokens: int) -> None:
+    """Where the copy turns layer-wise its charge must not drop (hypothesis found a
+    three-row batch whose worst case was under its two-row one's)."""
+    m = costmodel.CostModel(kv_bytes_per_token=kv, num_layers=layers, prefill_a_bytes=0, prefill_c_bytes=0,
+                            budget_bytes=1 << 50, context_length=1 << 18, prefill_step_tokens=512)
+    assert costmodel.copy_spike_bytes(m, rows + more_rows, tokens + more_tokens) \
+        >= costmodel.copy_spike_bytes(m, rows, tokens)
