@@ -1,7 +1,8 @@
 """The router's share of an agent's later turns on a real tokenizer and chat template.
 
     python -m bench.routershare --model DIR [--turns 6] [--repeats 3] [--system-tokens 2000]
-                                [--grow-to 8000] [--turn-tokens 150] [--tools 8] [--json out.json]
+                                [--grow-to 8000] [--turn-tokens 150] [--tools 8] [--root CHECKOUT]
+                                [--router-arg=FLAG=V] [--json out.json]
 
 ``bench before-queue`` measures the demo model's 4k-token chats. An agent on a real model
 sends longer ones through a heavier template: this bench builds one session of the
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-tokens", type=int, default=150)
     p.add_argument("--tools", type=int, default=8)
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose router runs (a before)")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="one more router flag, e.g. --router-arg=--memory-limit-mb=20797 (on a GPU)")
     p.add_argument("--json", type=Path, default=None)
     ns = p.parse_args(argv)
     from router.chat.tokenizer import RouterTokenizer
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                "XDG_CONFIG_HOME": f"{tmp}/config", "PYTHONPATH": str(ns.root), "HF_HUB_OFFLINE": "1"}
         with open(Path(tmp) / "router.log", "wb") as log:
             r = subprocess.Popen([sys.executable, "-m", "router", "--model", str(folder), "--port", str(port),
-                                  "--log-level", "info"], env=env, stdout=log, stderr=log, cwd=ns.root)
+                                  "--log-level", "info", *ns.router_arg], env=env, stdout=log, stderr=log, cwd=ns.root)
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_ok(url)
