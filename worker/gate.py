@@ -646,8 +646,12 @@ class MemoryGate:
         if changed:
             self._apply_scale()
         elif log.isEnabledFor(logging.DEBUG) and predicted_fitted > 0:
-            log.debug("step peak %d B, fitted prediction %d B (x%.2f)", measured, predicted_fitted,
-                      measured / predicted_fitted)
+            # With the process's device footprint (NVML), what it held beyond MLX's count at
+            # the latest reading: which steps bring the runtime memory that gets set aside.
+            r = mem.last
+            excess = f", runtime excess {mem.runtime_excess(r) >> 20} MiB" if r is not None and r.footprint_bytes else ""
+            log.debug("step peak %d B, fitted prediction %d B (x%.2f)%s", measured, predicted_fitted,
+                      measured / predicted_fitted, excess)
         return changed
 
     def memory_error(self, now: float) -> bool:

@@ -885,3 +885,19 @@ def test_the_scoring_chunk_is_what_fits_beside_the_batchs_step() -> None:
     small, _ = make_gate(make_model(vocab_size=QWEN_VOCAB,
                                     budget_bytes=batch + costmodel.scoring_step_bytes(model, 100, 2000)))
     assert small.score_chunk(scoring, 0, 512) == 100
+
+
+def test_a_steps_debug_line_says_what_the_runtime_held_beyond_mlx(caplog: pytest.LogCaptureFixture) -> None:
+    # On the H200 the set-aside came from one reading (4.2 GB during eight cold prefills):
+    # each step's line at DEBUG carries the excess, so a log shows which steps bring it.
+    outside = 300 * MIB
+    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
+    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
+                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    probe.active_bytes += 10 * MIB
+    probe.footprint_bytes = probe.active_bytes + outside + 64 * MIB
+    memory.refresh()
+    caplog.set_level(logging.DEBUG, logger="worker.gate")
+    assert not gate.observe_step(100 * MIB, now=1.0)  # well under its prediction
+    assert any("runtime excess 64 MiB" in r.getMessage() for r in caplog.records)
