@@ -2,8 +2,8 @@
 
 ``mlx-worker --standby [ARGS]`` (the supervisor spawns ``python -m worker --standby`` with
 the arguments it expects to give, so ``ps`` shows what it is for) imports what a worker
-needs that touches no device, then waits on stdin for one line, a JSON list: the
-arguments it is to run with. The supervisor writes that line only once the worker it
+needs that touches no device, then waits on stdin for one line, a JSON map: the
+arguments it is to run with and when it was told (``{"args": [...], "told_at": seconds}``). The supervisor writes that line only once the worker it
 replaces has exited, so two copies of the weights never coexist; until then this process
 holds no model and no device memory, and about 100 MB of host memory. Stdin closing first
 (the router stopped) ends it quietly. A standby told to go before its imports are done
