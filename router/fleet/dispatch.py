@@ -117,7 +117,7 @@ class Dispatcher:
         reason = self.unavailable.get(job.model)
         if reason is not None:
             raise NoWorker(reason)
-        if self.quarantine.is_quarantined(job.fingerprint(), self.clock()):
+        if self.quarantine.is_quarantined(job.fingerprint, self.clock()):
             raise RequestQuarantined(
                 "this request was running when the worker died twice; it is quarantined")
         if self.num_queued() >= self.max_queue:

@@ -70,3 +70,33 @@ def test_other_deaths_expire_old_suspects() -> None:
 def test_death_with_nothing_in_flight() -> None:
     q = Quarantine()
     assert q.record_death(set(), 0.0) == set()
+
+
+def test_a_fingerprint_is_computed_only_while_something_is_quarantined() -> None:
+    # A job's fingerprint hashes its whole prompt: asked of every request, it is worth
+    # nothing while nothing is quarantined (nearly always).
+    calls: list[int] = []
+
+    def fingerprint() -> str:
+        calls.append(1)
+        return "fp"
+
+    q = Quarantine()
+    assert not q.is_quarantined(fingerprint, 0.0) and not calls
+    q.record_death({"fp"}, 1.0)
+    q.record_death({"fp"}, 2.0)
+    assert q.is_quarantined(fingerprint, 3.0) and calls == [1]
+
+
+def test_a_jobs_fingerprint_is_its_prompt_and_sampling() -> None:
+    from common.protocol import SamplingParams
+    from router.job import Job, Sampling
+
+    def job(ids: list[int], temperature: float = 0.0) -> Job:
+        return Job(request_id="r", prompt_ids=ids, deadline=0.0, enqueued_at=0.0,
+                   sampling=Sampling(max_tokens=4, params=SamplingParams(temperature=temperature)))
+
+    assert job([1, 2, 3]).fingerprint() == job([1, 2, 3]).fingerprint()
+    assert job([1, 2, 3]).fingerprint() != job([1, 2, 4]).fingerprint()
+    assert job([1, 2, 3]).fingerprint() != job([1, 2, 3], 0.5).fingerprint()
+    assert job([1 << 40]).fingerprint() != job([0]).fingerprint()
