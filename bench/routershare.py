@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,23 +34,11 @@ from typing import Any
 import httpx
 
 from bench.agent_sessions import Shape, make_sessions, template_messages
-from bench.procs import free_port
+from bench.procs import ServerProcess, free_port, server_env
 
 _BEFORE_QUEUE = re.compile(r"HTTP before the queue ([\d.]+)ms")
 ROOT = Path(__file__).resolve().parents[1]
 READY_S = 180.0
-
-
-def _wait_ok(url: str) -> None:
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).json().get("status") == "ok":
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"no healthy router within {READY_S:.0f} s")
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -117,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                            "messages": len(session.messages)}
     with tempfile.TemporaryDirectory(prefix="hr-rs-") as tmp:
         port = free_port()
-        env = {**os.environ, "XDG_CACHE_HOME": f"{tmp}/cache", "XDG_RUNTIME_DIR": tmp,
-               "XDG_CONFIG_HOME": f"{tmp}/config", "PYTHONPATH": str(ns.root), "HF_HUB_OFFLINE": "1"}
-        with open(Path(tmp) / "router.log", "wb") as log:
-            r = subprocess.Popen([sys.executable, "-m", "router", "--model", str(folder), "--port", str(port),
-                                  "--log-level", "info", *ns.router_arg], env=env, stdout=log, stderr=log, cwd=ns.root)
-        url = f"http://127.0.0.1:{port}"
+        env = {**server_env(Path(tmp)), "PYTHONPATH": str(ns.root)}
+        server = ServerProcess("headroom", [sys.executable, "-m", "router", "--model", str(folder), "--port",
+                                            str(port), "--log-level", "info", *ns.router_arg],
+                               env, Path(tmp) / "router.log", f"http://127.0.0.1:{port}/health")
+        server.cwd = ns.root
+        server.start()
         try:
-            _wait_ok(url)
-            with httpx.Client(base_url=url, timeout=300) as http:
+            server.wait_healthy(READY_S)
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
                 for _ in range(ns.repeats + 1):  # the first round warms the router's caches
                     for turn in range(ns.turns):
                         res = http.post("/v1/chat/completions", json={
@@ -133,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                             "max_tokens": 1})
                         res.raise_for_status()
         finally:
-            r.terminate()
-            r.wait(60)
-        values = [float(m.group(1)) for m in _BEFORE_QUEUE.finditer((Path(tmp) / "router.log").read_text())]
+            server.stop()
+        values = [float(m.group(1)) for m in _BEFORE_QUEUE.finditer(server.log_tail(10 ** 9))]
     later = [v for i, v in enumerate(values[ns.turns:]) if i % ns.turns]
     out["http_before_queue_later_turns"] = _summary(later)
     out["tokenizing_p50_ms"] = tokenizing(folder, session, ns.repeats)

@@ -69,7 +69,8 @@ def _large(arrays: list[mx.array]) -> bool:
     return sum(a.nbytes for a in arrays) >= EVAL_LAYER_BYTES
 
 
-def _in_place(method: Callable[..., Any]) -> Callable[..., Any]:
+def _in_place(method: Callable[..., Any], *, joins: bool = False) -> Callable[..., Any]:
+    """``method`` rebuilds the layer in place (``filter``, or ``extend`` when ``joins``)."""
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         large = _large(arrays_of(self))  # a filter's source, before it shrinks
@@ -78,7 +79,7 @@ def _in_place(method: Callable[..., Any]) -> Callable[..., Any]:
         arrays = arrays_of(self)
         if large or _large(arrays):
             mx.eval(arrays, [arrays_of(c) for c in rows_out])
-            if method.__name__ == "extend" and hasattr(args[0], "keys"):
+            if joins and hasattr(args[0], "keys"):
                 # The joining rows' layer now lives in this one: let it go with the old
                 # layer, not when mlx-lm drops the joining batch after its last layer
                 # (many rows joining a small batch would otherwise hold both whole).
@@ -127,8 +128,8 @@ def install() -> None:
         cls = getattr(mlx_cache, name, None)
         if cls is None:
             continue
-        for attr in IN_PLACE:
-            _wrap(cls, attr, _in_place)
+        _wrap(cls, "extend", functools.partial(_in_place, joins=True))
+        _wrap(cls, "filter", _in_place)
         _wrap(cls, "extract", _extract)
     _wrap(GenerationBatch, "next", _next)
 
