@@ -51,6 +51,7 @@ KV_STEP_TOKENS = 256
 # join or leave it (worker/kvcopy.py), so only one layer's old and new coexist; a smaller
 # one's copies run together, lazily, as mlx-lm makes them (no wait for the step in flight).
 # 16 MiB a layer: 512 MiB over 32 layers, where the whole copy starts to cost real rows.
+# A worker whose engine copies this way says so in its cost model (``layerwise_copy_bytes``).
 LAYERWISE_COPY_BYTES = 16 << 20
 # Layers of the new batch a layer-wise copy is charged (``copy_spike_bytes``).
 LAYERWISE_COPY_LAYERS = 2
@@ -129,6 +130,9 @@ class CostModel:
     prefill_batch_size: int = 8
     # Logits per position: what scoring a prompt's tokens costs (0: unknown, not charged).
     vocab_size: int = 0
+    # Layers this large are copied one at a time when rows join or leave the batch (the
+    # worker's engine does it: worker/kvcopy.py, which sets this); 0: every copy is whole.
+    layerwise_copy_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,9 +175,9 @@ def growth_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
     return int(m.growth_factor * per_layer_old)
 
 
-def copies_layerwise(layer_bytes: float) -> bool:
+def copies_layerwise(m: CostModel, layer_bytes: float) -> bool:
     """Is a batch cache with layers of ``layer_bytes`` copied one layer at a time?"""
-    return layer_bytes >= LAYERWISE_COPY_BYTES
+    return 0 < m.layerwise_copy_bytes <= layer_bytes
 
 
 def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
@@ -188,11 +192,11 @@ def copy_spike_bytes(m: CostModel, rows: int, longest_tokens: int) -> int:
     whole = batch_kv_bytes(rows, longest_tokens, m.kv_bytes_per_token)
     layers = max(m.num_layers, 1)
     layer = whole / layers
-    if not copies_layerwise(layer):
+    if not copies_layerwise(m, layer):
         return int(m.copy_factor * whole)
     # Never below the largest whole copy a smaller batch is charged (just under the
     # threshold on every layer): a batch's worst case must not fall as it grows.
-    return int(m.copy_factor * min(whole, max(LAYERWISE_COPY_LAYERS * layer, LAYERWISE_COPY_BYTES * layers)))
+    return int(m.copy_factor * min(whole, max(LAYERWISE_COPY_LAYERS * layer, m.layerwise_copy_bytes * layers)))
 
 
 def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int, *, scoring: bool = False) -> int:

@@ -18,6 +18,7 @@ from common.curve import ClientKeys
 from common.protocol import BOUNDARIES_ALL, BOUNDARIES_FIRST, BOUNDARIES_NONE, Hello
 from common.version import __version__
 from worker.block_disk import BlockDisk
+from worker import kvcopy
 from worker.block_store import BLOCK_TOKENS, BlockStore, blockable
 from worker.calibrate import cache_key, calibrate
 from worker.devices import make_probe
@@ -97,7 +98,8 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
     static = static_cost_model(shape, limit_bytes=probe.limit_bytes, baseline_bytes=baseline,
                                prefill_step_tokens=step,
                                prefill_batch_size=PREFILL_BATCH_SIZE,
-                               attention_copies=probe.device != "cpu")
+                               attention_copies=probe.device != "cpu",
+                               layerwise_copy_bytes=kvcopy.layerwise_copy_bytes())
     key = cache_key(loaded.fingerprint, mx.__version__, probe.device)
     # On a GPU the probe's chunks reach the full step; on a CPU they stay small (slow).
     stretch = 1 if probe.device == "cpu" else 4

@@ -23,7 +23,8 @@ so that the model's estimate of a layer, which rounds like the cache, never assu
 layer-wise copy that ran whole); a small batch's copies stay lazy, and are charged whole.
 
 Installed once per process by the engine (``install``); the worker owns its process and
-every batch cache in it. Pinned against the installed mlx-lm by tests/unit/test_kvcopy.py
+every batch cache in it. Its cost model charges layer-wise copies only where this module
+could install (``layerwise_copy_bytes``): an mlx-lm without what it wraps is charged whole. Pinned against the installed mlx-lm by tests/unit/test_kvcopy.py
 (peak memory of a real join and a real finish through mlx-lm's own batch methods).
 """
 
@@ -132,6 +133,14 @@ def install() -> None:
         _wrap(cls, "filter", _in_place)
         _wrap(cls, "extract", _extract)
     _wrap(GenerationBatch, "next", _next)
+
+
+def layerwise_copy_bytes() -> int:
+    """What the cost model is told (``CostModel.layerwise_copy_bytes``): the threshold
+    where this process copies layer by layer, once installed; 0 (every copy charged
+    whole) where the installed mlx-lm no longer has what ``install`` wraps."""
+    install()
+    return LAYERWISE_COPY_BYTES if installed() else 0
 
 
 def installed() -> bool:

@@ -223,8 +223,9 @@ def safety_margin(limit_bytes: int, weights_bytes: int) -> int:
 
 def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: int,
                       prefill_step_tokens: int, prefill_batch_size: int,
-                      attention_copies: bool = True) -> CostModel:
-    """The cost model before calibration: sizes from the model's shape alone."""
+                      attention_copies: bool = True, layerwise_copy_bytes: int = 0) -> CostModel:
+    """The cost model before calibration: sizes from the model's shape alone.
+    ``layerwise_copy_bytes``: the engine copies layers this large one at a time (0: never)."""
     from common.costmodel import kv_bytes_per_token
 
     act = 4  # activations are float32 on CPU and for softmax on any device
@@ -252,6 +253,7 @@ def static_cost_model(shape: ModelShape, *, limit_bytes: int, baseline_bytes: in
         context_length=shape.context_length,
         prefill_step_tokens=prefill_step_tokens,
         prefill_batch_size=prefill_batch_size,
+        layerwise_copy_bytes=layerwise_copy_bytes,
         vocab_size=shape.vocab_size,
     )
 

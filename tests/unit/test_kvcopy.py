@@ -8,6 +8,7 @@ layer's copy once installed, and about the whole batch's through the library's o
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import mlx.core as mx
@@ -153,7 +154,8 @@ def test_a_small_batch_stays_lazy():
 def test_the_cost_model_charges_what_runs():
     m = costmodel.CostModel(kv_bytes_per_token=128 << 10, num_layers=32, prefill_a_bytes=0,
                             prefill_c_bytes=0, budget_bytes=1 << 40, context_length=32768,
-                            prefill_step_tokens=512)
+                            prefill_step_tokens=512, layerwise_copy_bytes=kvcopy.layerwise_copy_bytes())
+    assert m.layerwise_copy_bytes == costmodel.LAYERWISE_COPY_BYTES  # installed here
     # Eight rows of 8k on an 8B model: 8.6 GB of KV, one layer of it ~268 MB.
     whole = costmodel.batch_kv_bytes(8, 8192, m.kv_bytes_per_token)
     assert costmodel.copy_spike_bytes(m, 8, 8192) == costmodel.LAYERWISE_COPY_LAYERS * whole // 32
@@ -162,6 +164,10 @@ def test_the_cost_model_charges_what_runs():
     assert costmodel.copy_spike_bytes(m, 1, 8192) == 0
     # Where the model assumes a layer-wise copy, the wrapper makes one, with room to spare.
     assert kvcopy.EVAL_LAYER_BYTES < costmodel.LAYERWISE_COPY_BYTES
+    # A model from a worker that could not install (or an older one) charges every copy whole.
+    whole_only = dataclasses.replace(m, layerwise_copy_bytes=0)
+    assert costmodel.copy_spike_bytes(whole_only, 8, 8192) == whole
+    assert costmodel.CostModel.from_dict(m.to_dict()).layerwise_copy_bytes == m.layerwise_copy_bytes
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +233,7 @@ def test_a_larger_batch_is_never_charged_a_smaller_copy(kv: int, layers: int, ro
     """Where the copy turns layer-wise its charge must not drop (hypothesis found a
     three-row batch whose worst case was under its two-row one's)."""
     m = costmodel.CostModel(kv_bytes_per_token=kv, num_layers=layers, prefill_a_bytes=0, prefill_c_bytes=0,
-                            budget_bytes=1 << 50, context_length=1 << 18, prefill_step_tokens=512)
+                            budget_bytes=1 << 50, context_length=1 << 18, prefill_step_tokens=512,
+                            layerwise_copy_bytes=costmodel.LAYERWISE_COPY_BYTES)
     assert costmodel.copy_spike_bytes(m, rows + more_rows, tokens + more_tokens) \
         >= costmodel.copy_spike_bytes(m, rows, tokens)
