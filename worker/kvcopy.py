@@ -24,8 +24,9 @@ layer-wise copy that ran whole); a small batch's copies stay lazy, and are charg
 
 Installed once per process by the engine (``install``); the worker owns its process and
 every batch cache in it. Its cost model charges layer-wise copies only where this module
-could install (``layerwise_copy_bytes``): an mlx-lm without what it wraps is charged whole. Pinned against the installed mlx-lm by tests/unit/test_kvcopy.py
-(peak memory of a real join and a real finish through mlx-lm's own batch methods).
+could install (``layerwise_copy_bytes``): an mlx-lm without what it wraps is charged whole.
+Pinned against the installed mlx-lm by tests/unit/test_kvcopy.py (peak memory of a real
+join and a real finish through mlx-lm's own batch methods).
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ def _in_place(method: Callable[..., Any], *, joins: bool = False) -> Callable[..
                 args[0].keys = args[0].values = None
         return out
 
-    setattr(run, _MARK, True)
     return run
 
 
@@ -99,7 +99,6 @@ def _extract(method: Callable[..., Any]) -> Callable[..., Any]:
             _finishing.extracted.setdefault(id(self), []).append(out)
         return out
 
-    setattr(run, _MARK, True)
     return run
 
 
@@ -112,14 +111,15 @@ def _next(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _finishing.active, _finishing.extracted = False, {}
 
-    setattr(run, _MARK, True)
     return run
 
 
 def _wrap(cls: type, attr: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     method = cls.__dict__.get(attr)
     if method is not None and not getattr(method, _MARK, False):
-        setattr(cls, attr, wrapper(method))
+        wrapped = wrapper(method)
+        setattr(wrapped, _MARK, True)
+        setattr(cls, attr, wrapped)
 
 
 def install() -> None:
