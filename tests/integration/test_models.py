@@ -227,6 +227,6 @@ def test_budget_for_one_swaps_models_and_never_unloads_a_busy_one(tight: Router)
     assert watch.most_workers == 1, f"two workers at once within a one-model budget: {watch.seen}"
     assert watch.most_leased <= 120 << 20
     events = "\n".join(line for line in tight.log_path.read_text(errors="replace").splitlines()
-                       if re.search(r"loading|unloading|standby|exited|dead|wedged|silent|restart", line))
+                       if re.search(r"loading|unloading|standby|exit|dead|wedged|silent|restart|OOM|abort|quarantin|lost", line))
     assert [list(p) for p in watch.seen] == [["alpha"], ["beta"], ["alpha"]], \
         f"workers seen {watch.seen}; the router's log:\n{events}"
