@@ -62,11 +62,16 @@ from bench.prompts import Prompt, make_prompts
 
 log = logging.getLogger("bench.gpu_run")
 
-PARTS = ("info", "build", "shape", "ttft", "faults", "split", "memory", "profile", "serve", "agents")
+PARTS = ("info", "build", "shape", "runtime", "ttft", "faults", "split", "memory", "profile", "serve", "agents",
+         "cpuprofile")
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 # Past the probe's rate limit on device reads (worker.memory.SYSTEM_READ_INTERVAL_S).
 SNAPSHOT_SETTLE_S = 0.3
+# cpuprofile: every thread's CPU time is read this often, and the worker counts as serving
+# (py-spy starts on it) once it used this share of a core over one such interval.
+CPUPROFILE_LOOK_S = 2.0
+CPUPROFILE_BUSY = 0.5
 
 
 def weights_mb(model_dir: Path) -> int:
@@ -256,6 +261,18 @@ async def _ttft_sequence(url: str, encode: Callable[[str], list[int]], max_token
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def part_runtime(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench.runtime``: what this process holds beyond MLX's count after each step of the
+    agents' shape, and after ``mx.clear_cache()`` (what the gate's runtime set-aside is)."""
+    path = args.out / "runtime.json"
+    text = run_module(args, "runtime", ["bench.runtime", "--model", str(args.model_dir), "--out", str(path),
+                                        *args.runtime_arg])
+    (args.out / "runtime.txt").write_text(text)
+    print(text[-6000:])
+    doc = json.loads(path.read_text())
+    return {"summary": doc["summary"], "baseline_mib": doc["baseline_mib"], "source": doc["source"]}
 
 
 def part_ttft(args: argparse.Namespace) -> dict[str, Any]:
@@ -538,10 +555,15 @@ def _gaps_ms(results: list[Any]) -> dict[str, Any]:
             "ttft_p50_ms": round(percentile([r.ttft_s * 1e3 for r in ok], 50), 2)}
 
 
-def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+def _py_spy() -> str | None:
+    """py-spy's executable: on the PATH or beside this interpreter (a venv not activated)."""
     import shutil
 
-    exe = shutil.which("py-spy")
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
+def _spy(pid: int | None, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+    exe = _py_spy()
     if exe is None or pid is None:
         return None
     return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "250",
@@ -693,10 +715,78 @@ def part_agents(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - started, 2)}
 
 
+def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench serve`` (default: long prompts at c = 32, every system, one repetition) with
+    every thread's CPU time counted from the kernel, and the Headroom worker profiled by
+    py-spy with ``--idle --native`` once it is busy (a thread waiting on the device without
+    the GIL looks idle to a Python profile): which process and thread burns the CPU per
+    token, and in what (bench/cpusplit.py)."""
+    from bench.cpusplit import ThreadClock, parse_raw, summary
+
+    exe = _py_spy()
+    if exe is None:
+        raise RuntimeError("py-spy is not installed: carry .whl/d with the install call")
+    limit_mb = weights_mb(args.model_dir) + args.budget_mb
+    keep = Path(tempfile.mkdtemp(prefix="gpu-cpuprofile-logs-"))
+    defaults = ["--concurrency", "32", "--prompt-tokens", "long", "--repeats", "1", "--no-mixed", "--paired", "0"]
+    argv = [sys.executable, "-m", "bench", "serve", "--model", str(args.model_dir),
+            "--json", str(args.out / "cpuprofile-bench.json"), "--keep-logs", str(keep),
+            f"--headroom-arg=--memory-limit-mb={limit_mb}", f"--peer-memory-limit-mb={limit_mb}",
+            *(args.serve_args or defaults)]
+    log.info("cpuprofile: %s", " ".join(argv))
+    raw = args.out / "cpuprofile-worker.raw"
+    clock, spy, spied = ThreadClock(), None, None
+    started = time.monotonic()
+    with open(args.out / "cpuprofile-serve.txt", "w") as table, open(args.out / "logs.txt", "a") as logs:
+        logs.write("\n===== cpuprofile (bench progress) =====\n")
+        logs.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=table, stderr=logs)
+        seen: dict[int, float] = {}
+        try:
+            while proc.poll() is None and time.monotonic() - started < args.part_timeout_s:
+                time.sleep(CPUPROFILE_LOOK_S)
+                totals = clock.look(proc.pid)
+                busy = [pid for pid, cpu in totals.items() if clock.roles.get(pid) in ("worker", "standby")
+                        and cpu - seen.get(pid, cpu) > CPUPROFILE_BUSY * CPUPROFILE_LOOK_S]
+                seen = totals
+                if spy is None and busy:  # the worker serves: profile it from here
+                    spied = busy[0]
+                    spy = subprocess.Popen([exe, "record", "--pid", str(spied), "--duration", str(round(args.profile_s)),
+                                            "--rate", "50", "--idle", "--native", "--threads", "--format", "raw",
+                                            "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        finally:
+            if proc.poll() is None:  # SIGTERM first: the bench then stops its servers
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            spy_said = _spy_done(spy)
+    names, profiles = parse_raw(raw.read_text(errors="replace").splitlines()) if raw.exists() else ({}, {})
+    rows = clock.rows(names)
+    busiest = [r["tid"] for r in rows if r["pid"] == spied][:4]
+    report = "\n".join([
+        (args.out / "cpuprofile-serve.txt").read_text(),
+        "CPU seconds by thread over the run (kernel counts):",
+        *(f"  {r['role']:<14} pid {r['pid']:>7} tid {r['tid']:>7} {r['thread'][:20]:<20} {r['comm'][:16]:<16} "
+          f"{r['cpu_s']:>8.2f} s"
+          for r in rows[:30]),
+        f"py-spy on the worker (pid {spied}): {spy_said}",
+        summary(profiles, names, busiest)])
+    (args.out / "cpuprofile.txt").write_text(report)
+    print(report[-12000:])
+    for path in sorted(keep.glob("*/headroom*.log")):
+        append_log(args.out, f"cpuprofile {path.name}", path)
+    return {"returncode": proc.returncode, "limit_mb": limit_mb, "argv": argv, "worker_pid": spied,
+            "threads": rows[:30], "wall_s": round(time.monotonic() - started, 2)}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "info": part_info, "build": part_build, "shape": part_shape, "ttft": part_ttft, "faults": part_faults,
+    "info": part_info, "build": part_build, "shape": part_shape, "runtime": part_runtime, "ttft": part_ttft,
+    "faults": part_faults,
     "split": part_split, "memory": part_memory,
-    "profile": part_profile, "serve": part_serve, "agents": part_agents}
+    "profile": part_profile, "serve": part_serve, "agents": part_agents, "cpuprofile": part_cpuprofile}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -729,6 +819,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape-arg", action="append", default=[], metavar="ARG",
                    help="shape: an argument for bench.calshape (repeatable, e.g. --shape-arg=--contexts=0,4096)")
     p.add_argument("--probe-limit-mb", type=int, default=40000, help="info: the probe's --memory-limit-mb")
+    p.add_argument("--runtime-arg", action="append", default=[], metavar="ARG",
+                   help="runtime: an argument for bench.runtime (repeatable, e.g. --runtime-arg=--rows=8)")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra router flag for ttft and memory (repeat; e.g. --router-arg=--log-level=debug)")
     p.add_argument("--startup-timeout-s", type=float, default=240.0)

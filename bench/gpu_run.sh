@@ -6,7 +6,7 @@
 #                                                  # call 2, carry [".whl/b"]: join, install, run
 #   bash bench/gpu_run.sh [PART...] [-- SERVE_ARGS]   # later calls on the same warm machine
 #
-# PART: info build shape ttft faults split memory profile agents serve (python -m bench.gpu_run
+# PART: info build shape runtime ttft faults split memory profile agents serve cpuprofile (python -m bench.gpu_run
 # --help). Results go to $OUT.
 # WHL (default .whl, relative to the current directory) is where the carried wheels are;
 # the code run is the checkout this script lives in.
@@ -32,6 +32,10 @@ case "${1:-}" in
     # failed every grammar request), checked by the worker's own rule.
     if ! (cd "$here" && python3 -c 'import sys; from worker.requirements import too_old; sys.exit(bool(too_old()))'); then
       python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$whl"/c/*.whl || exit 3
+    fi
+    # py-spy (the cpuprofile and profile parts) travels in .whl/d, when carried.
+    if [ -d "$whl/d" ] && ! command -v py-spy >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile "$whl"/d/*.whl || exit 3
     fi
     ;;
 esac

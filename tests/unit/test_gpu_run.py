@@ -24,3 +24,9 @@ def test_tight_over_defaults_to_the_weights() -> None:
     args = make_parser().parse_args(["memory"])
     assert args.tight_over == "weights"
     assert make_parser().parse_args(["memory", "--tight-over", "runtime"]).tight_over == "runtime"
+
+
+def test_the_runtime_and_cpuprofile_parts_are_known_with_their_arguments() -> None:
+    args = make_parser().parse_args(["runtime", "cpuprofile", "--runtime-arg=--rows=8", "--runtime-arg=--passes=3"])
+    assert args.parts == ["runtime", "cpuprofile"]
+    assert args.runtime_arg == ["--rows=8", "--passes=3"]
