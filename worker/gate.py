@@ -494,6 +494,8 @@ class MemoryGate:
             # had taken it (the H200, 32 long streams).
             mem.probe.invalidate()
             action, allocated = self._pressure_now(view, chunk_tokens)
+            if not action.admit and self._reclaim_before_set_aside():
+                action, allocated = self._pressure_now(view, chunk_tokens)
             if not action.admit and self._set_aside_runtime():
                 action, allocated = self._pressure_now(view, chunk_tokens)
         self._follow_device()
@@ -548,6 +550,19 @@ class MemoryGate:
         steps are charged elsewhere)."""
         if self.admission:
             self._follow_device()
+
+    def _reclaim_before_set_aside(self) -> bool:
+        """The process holds more than MLX counts: before any of it is set aside for good,
+        what is only kept for reuse is given back (MLX's buffer cache, and with it what the
+        runtime's allocator may keep of freed buffers), and the device read again. Only what
+        the process still holds then is its runtime's own. True when there was an excess to
+        clear for."""
+        mem = self.memory
+        r = mem.last
+        if r is None or mem.runtime_excess(r) < RUNTIME_MIN_BYTES:
+            return False
+        mem.probe.clear_cache()  # and the next reading is fresh
+        return True
 
     def _set_aside_runtime(self) -> bool:
         """The process itself holds more than MLX counts (on the H200 NVML's figure for the

@@ -357,6 +357,45 @@ def test_the_runtimes_own_memory_is_set_aside_once_not_taken_for_pressure(
     assert not action.admit and memory.runtime_bytes == set_aside
 
 
+class PoolProbe(FakeProbe):
+    """A runtime that keeps freed buffers in its own pool (they show in the process's device
+    footprint, not in MLX's count) until MLX's cache is cleared."""
+
+    pool_bytes: int = 0
+
+    def clear_cache(self) -> None:
+        super().clear_cache()
+        self.footprint_bytes -= self.pool_bytes
+        self.pool_bytes = 0
+
+
+def test_what_clearing_gives_back_is_never_set_aside() -> None:
+    outside = 300 * MIB
+    probe = PoolProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
+    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
+                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    budget = gate.model.budget_bytes
+    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    # A step freed 400 MiB that the runtime's pool keeps: the process holds it, MLX does not
+    # count it, and a clear gives it back. It is not the runtime's own: nothing is set aside.
+    probe.active_bytes += 100 * MIB
+    probe.pool_bytes = 400 * MIB
+    probe.footprint_bytes = probe.active_bytes + outside + probe.pool_bytes
+    memory.refresh()
+    assert memory.headroom_bytes() < memory.reserved_bytes - 100 * MIB
+    action = gate.pressure(view(4000), 512, now=1.0)
+    assert probe.cleared == 1
+    assert action.admit and action.evict == 0 and not gate.under_pressure
+    assert memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+    # What a clear does not give back is the runtime's own: set aside, after the clear.
+    probe.footprint_bytes += 400 * MIB
+    memory.refresh()
+    assert gate.pressure(view(4000), 512, now=2.0).admit
+    assert probe.cleared == 2 and memory.runtime_bytes >= 400 * MIB
+    assert gate.model.budget_bytes == budget - memory.runtime_bytes
+
+
 def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_keeps_a_floor() -> None:
     outside = 300 * MIB
     probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
