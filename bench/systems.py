@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.client import run_mixed, run_workload
+from bench.cpusplit import role as process_role
 from bench.inprocess import MAX_BATCH_SIZE, PREFILL_BATCH_SIZE, PREFILL_STEP_SIZE, InProcess
 from bench.metrics import MixedRun, RunResult
 from bench.procs import ServerProcess, free_port, server_env
@@ -54,12 +55,6 @@ class System(Protocol):
         ...
 
     def stop(self) -> None: ...
-
-
-def _role(cmdline: list[str]) -> str:
-    if "worker" in cmdline and "-m" in cmdline:
-        return "standby" if "--standby" in cmdline else "worker"
-    return "other"
 
 
 class HttpSystem:
@@ -126,7 +121,7 @@ class HttpSystem:
             for p in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     t = p.cpu_times()
-                    role = "server" if p.pid == root.pid else _role(p.cmdline())
+                    role = "server" if p.pid == root.pid else process_role(p.cmdline())
                     parts[role] = parts.get(role, 0.0) + t.user + t.system
         except psutil.NoSuchProcess:
             pass
