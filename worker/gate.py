@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from common import costmodel
 from common.costmodel import CostModel
 from common.protocol import RejectReason
-from worker.memory import MemoryState, PressureAction, pressure_action
+from worker.memory import MemoryState, PressureAction, Reading, pressure_action
 
 log = logging.getLogger(__name__)
 
@@ -559,10 +559,14 @@ class MemoryGate:
         clear for."""
         mem = self.memory
         r = mem.last
-        if r is None or mem.runtime_excess(r) < RUNTIME_MIN_BYTES:
+        if r is None or mem.runtime_excess(r) < RUNTIME_MIN_BYTES or self._device_binds(r):
             return False
         mem.probe.clear_cache()  # and the next reading is fresh
         return True
+
+    def _device_binds(self, r: Reading) -> bool:
+        """The device's free memory, not the limit, is what ran out: another process took it."""
+        return self.memory.probe.limit_bytes - self.memory.used_bytes(r) >= r.system_available_bytes
 
     def _set_aside_runtime(self) -> bool:
         """The process itself holds more than MLX counts (on the H200 NVML's figure for the
@@ -573,8 +577,8 @@ class MemoryGate:
         Requests already running keep what they were promised. True when the budget moved."""
         mem = self.memory
         r = mem.last
-        if r is None or mem.probe.limit_bytes - mem.used_bytes(r) >= r.system_available_bytes:
-            return False  # the device's free memory binds: another process took it
+        if r is None or self._device_binds(r):
+            return False
         excess = mem.runtime_excess(r)
         old = self.fitted.budget_bytes
         # Never below what a minimal request needs: the worker would then refuse everything

@@ -410,6 +410,7 @@ def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_kee
     probe.system_available_bytes = 1 * MIB
     assert not gate.pressure(view(4000), 512, now=0.0).admit
     assert memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+    assert probe.cleared == 0  # nothing to learn of the process's own memory: no clear for it
     # The limit binds, and the excess is larger than the whole budget: the budget keeps
     # what a minimal request needs instead of falling to nothing.
     probe.system_available_bytes = 1 << 40
