@@ -685,6 +685,16 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - started, 2)}
 
 
+def _stop_bench(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM first (the bench then stops its servers), SIGKILL if it has not gone in 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def part_agents(args: argparse.Namespace) -> dict[str, Any]:
     """`python -m bench agents` on the GPU model; its own defaults are the issue's sizes."""
     limit_mb = weights_mb(args.model_dir) + args.budget_mb
@@ -701,13 +711,8 @@ def part_agents(args: argparse.Namespace) -> dict[str, Any]:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=table, stderr=logs)
         try:
             proc.wait(args.part_timeout_s)
-        except subprocess.TimeoutExpired:  # SIGTERM first: the bench then stops its servers
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        except subprocess.TimeoutExpired:
+            _stop_bench(proc)
     print((args.out / "agents.txt").read_text())
     for path in sorted(keep.glob("*/headroom*.log")):
         append_log(args.out, f"agents {path.name}", path)
@@ -755,13 +760,8 @@ def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
                                             "--rate", "50", "--idle", "--native", "--threads", "--format", "raw",
                                             "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         finally:
-            if proc.poll() is None:  # SIGTERM first: the bench then stops its servers
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc.poll() is None:
+                _stop_bench(proc)
             spy_said = _spy_done(spy)
     names, profiles = parse_raw(raw.read_text(errors="replace").splitlines()) if raw.exists() else ({}, {})
     rows = clock.rows(names)

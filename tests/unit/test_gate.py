@@ -317,24 +317,34 @@ def test_pressure_is_judged_on_a_fresh_reading_never_a_stale_one() -> None:
     assert not action.admit and action.evict >= 1
 
 
+OUTSIDE = 300 * MIB  # the CUDA context and loaded kernels at idle: the worker's baseline
+
+
+def outside_gate(probe_class: type[FakeProbe] = FakeProbe) -> tuple[MemoryGate, MemoryState, Any, int]:
+    """A gate whose process holds OUTSIDE beyond MLX's count at idle (its baseline), as a
+    GPU worker's does, with one request reserved: (gate, memory, probe, budget)."""
+    probe = probe_class(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
+    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - OUTSIDE - 16 * MIB),
+                         weights_bytes=WEIGHTS, baseline_bytes=OUTSIDE, active_baseline_bytes=0)
+    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    budget = gate.model.budget_bytes
+    d = gate.can_admit(view(), 3000, 1000)
+    assert d.admit
+    gate.reserve(d)
+    return gate, memory, probe, budget
+
+
 def test_the_runtimes_own_memory_is_set_aside_once_not_taken_for_pressure(
         caplog: pytest.LogCaptureFixture) -> None:
     # As on the H200 under a tight limit: during steps the process's device footprint ran
     # 0.2-0.8 GB above MLX's active + cache + the idle baseline. It is this process's own
     # memory: the budget gives it up once; nothing stops admitting, nothing is evicted.
-    outside = 300 * MIB  # the CUDA context and loaded kernels at idle
-    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
-    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
-                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
-    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
-    budget = gate.model.budget_bytes
-    d = gate.can_admit(view(), 3000, 1000)
-    gate.reserve(d)
-    assert d.admit and gate.pressure(view(4000), 512, now=0.0).admit
+    gate, memory, probe, budget = outside_gate()
+    assert gate.pressure(view(4000), 512, now=0.0).admit
     # A step runs: MLX allocates 100 MiB, and the runtime holds 400 MiB it does not count:
     # counted as used, that left less than the running request was promised.
     probe.active_bytes += 100 * MIB
-    probe.footprint_bytes = probe.active_bytes + outside + 400 * MIB
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + 400 * MIB
     memory.refresh()
     assert memory.headroom_bytes() < memory.reserved_bytes - 100 * MIB
     caplog.set_level(logging.INFO, logger="worker.gate")
@@ -370,18 +380,12 @@ class PoolProbe(FakeProbe):
 
 
 def test_what_clearing_gives_back_is_never_set_aside() -> None:
-    outside = 300 * MIB
-    probe = PoolProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
-    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
-                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
-    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
-    budget = gate.model.budget_bytes
-    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    gate, memory, probe, budget = outside_gate(PoolProbe)
     # A step freed 400 MiB that the runtime's pool keeps: the process holds it, MLX does not
     # count it, and a clear gives it back. It is not the runtime's own: nothing is set aside.
     probe.active_bytes += 100 * MIB
     probe.pool_bytes = 400 * MIB
-    probe.footprint_bytes = probe.active_bytes + outside + probe.pool_bytes
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + probe.pool_bytes
     memory.refresh()
     assert memory.headroom_bytes() < memory.reserved_bytes - 100 * MIB
     action = gate.pressure(view(4000), 512, now=1.0)
@@ -397,13 +401,7 @@ def test_what_clearing_gives_back_is_never_set_aside() -> None:
 
 
 def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_keeps_a_floor() -> None:
-    outside = 300 * MIB
-    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
-    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
-                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
-    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
-    budget = gate.model.budget_bytes
-    gate.reserve(gate.can_admit(view(), 3000, 1000))
+    gate, memory, probe, budget = outside_gate()
     # The process grew a little, but the device's free memory is what ran out: pressure,
     # and nothing of the process's own is charged for it.
     probe.footprint_bytes += 50 * MIB
@@ -414,7 +412,7 @@ def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_kee
     # The limit binds, and the excess is larger than the whole budget: the budget keeps
     # what a minimal request needs instead of falling to nothing.
     probe.system_available_bytes = 1 << 40
-    probe.footprint_bytes = probe.active_bytes + outside + 2 * LIMIT
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + 2 * LIMIT
     gate.pressure(view(4000), 512, now=1.0)
     floor = costmodel.request_cost_bytes(gate.model, costmodel.MIN_REQUEST_TOKENS - 1, 1)
     assert gate.model.budget_bytes == floor and costmodel.max_request_tokens(gate.model) >= costmodel.MIN_REQUEST_TOKENS - 1
@@ -930,13 +928,9 @@ def test_the_scoring_chunk_is_what_fits_beside_the_batchs_step() -> None:
 def test_a_steps_debug_line_says_what_the_runtime_held_beyond_mlx(caplog: pytest.LogCaptureFixture) -> None:
     # On the H200 the set-aside came from one reading (4.2 GB during eight cold prefills):
     # each step's line at DEBUG carries the excess, so a log shows which steps bring it.
-    outside = 300 * MIB
-    probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + outside)
-    memory = MemoryState(probe=probe, model=make_model(budget_bytes=LIMIT - WEIGHTS - outside - 16 * MIB),
-                         weights_bytes=WEIGHTS, baseline_bytes=outside, active_baseline_bytes=0)
-    gate = MemoryGate(memory, fitted=memory.model, admission=True, max_running=8, now=0.0)
+    gate, memory, probe, _ = outside_gate()
     probe.active_bytes += 10 * MIB
-    probe.footprint_bytes = probe.active_bytes + outside + 64 * MIB
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + 64 * MIB
     memory.refresh()
     caplog.set_level(logging.DEBUG, logger="worker.gate")
     assert not gate.observe_step(100 * MIB, now=1.0)  # well under its prediction
