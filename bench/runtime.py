@@ -1,6 +1,6 @@
 """What the process holds beyond MLX's count, step by step: the runtime's own memory.
 
-    python -m bench.runtime --model DIR [--rows 1,8] [--context 8192] [--chunk 1024]
+    python -m bench.runtime --model DIR [--rows 1,8] [--context 8192] [--chunks 1024,972,640]
                             [--decode-steps 4] [--passes 2] [--out F.json]
 
 The worker charges requests against MLX's allocator (active + cache). On a GPU the process
@@ -20,7 +20,8 @@ what that memory is, and each answer asks for a different fix:
   gate should try that before it sets anything aside.
 
 This runs the agents' shape on the model: ``rows`` rows prefilled chunk by chunk to
-``--context`` tokens, then decode steps, for every ``--rows`` value, the whole sequence
+``--context`` tokens (the chunk sizes taken in turn: the worker's pacer varies them, and
+memory kept per shape shows only where shapes vary), then decode steps, for every ``--rows`` value, the whole sequence
 ``--passes`` times (later passes repeat the first one's shapes). After each step, once the
 device is done: this process's footprint (NVML on CUDA; the resident set elsewhere, where
 the figure means less), MLX's active and cache bytes, ``outside`` = footprint - active -
@@ -91,7 +92,7 @@ def _point(fp: Footprint, baseline: int, **where: Any) -> dict[str, Any]:
             "outside_cleared_mib": round((footprint_c - active_c - cache_c - baseline) / MIB, 1)}
 
 
-def run(model: Any, *, rows_list: list[int], context: int, chunk: int, decode_steps: int,
+def run(model: Any, *, rows_list: list[int], context: int, chunks: list[int], decode_steps: int,
         passes: int) -> dict[str, Any]:
     import mlx.core as mx
 
@@ -105,9 +106,10 @@ def run(model: Any, *, rows_list: list[int], context: int, chunk: int, decode_st
     for run_pass in range(passes):
         for rows in rows_list:
             kv = new_row_cache(model, rows)
-            done = 0
+            done = step = 0
             while done < context + decode_steps:
-                n = min(chunk, context - done) if done < context else 1
+                n = min(chunks[step % len(chunks)], context - done) if done < context else 1
+                step += 1
                 started = time.perf_counter()
                 out = model(mx.zeros((rows, n), dtype=mx.int32), cache=kv)
                 mx.eval(out, [c.state for c in kv])
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="a local model folder")
     ap.add_argument("--rows", type=_ints, default=[1, 8], help="rows prefilled together, one sequence each")
     ap.add_argument("--context", type=int, default=8192, help="tokens each row is prefilled to")
-    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk per step (per row)")
+    ap.add_argument("--chunks", type=_ints, default=[1024, 972, 640],
+                    help="prefill chunk per step (per row), taken in turn")
     ap.add_argument("--decode-steps", type=int, default=4)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--memory-limit-mb", type=int, default=40000,
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mx.set_memory_limit(args.memory_limit_mb * MIB)
     model, _ = load(args.model)
-    doc = run(model, rows_list=args.rows, context=args.context, chunk=args.chunk,
+    doc = run(model, rows_list=args.rows, context=args.context, chunks=args.chunks,
               decode_steps=args.decode_steps, passes=args.passes)
     doc["model"] = str(args.model)
     doc["args"] = {k: v for k, v in vars(args).items() if k != "out"}

@@ -90,12 +90,15 @@ def model() -> object:
 
 
 def test_the_runtime_bench_reads_every_step_twice_and_summarizes_each_pass(model: object) -> None:
-    doc = runtime.run(model, rows_list=[1, 2], context=64, chunk=32, decode_steps=1, passes=2)
+    doc = runtime.run(model, rows_list=[1, 2], context=64, chunks=[24, 16], decode_steps=1, passes=2)
     assert doc["source"] == "rss"  # no CUDA here: the resident set stands in
-    # Per pass and rows value: two chunks of 32, one decode step, then "rows gone".
-    assert len(doc["points"]) == 2 * 2 * 4
+    # Per pass and rows value: chunks of 24 and 16 in turn to 64 tokens, one decode step,
+    # then "rows gone"; every pass runs the same shapes.
+    assert len(doc["points"]) == 2 * 2 * 5
     first = [p for p in doc["points"] if p["run_pass"] == 0 and p["rows"] == 2]
-    assert [(p["tokens"], p["context"]) for p in first] == [(32, 32), (32, 64), (1, 65), (0, 0)]
+    assert [(p["tokens"], p["context"]) for p in first] == [(24, 24), (16, 40), (24, 64), (1, 65), (0, 0)]
+    again = [p for p in doc["points"] if p["run_pass"] == 1 and p["rows"] == 2]
+    assert [(p["tokens"], p["context"]) for p in again] == [(p["tokens"], p["context"]) for p in first]
     assert first[-1]["note"] == "rows gone"
     for p in doc["points"]:  # each figure is rounded to 0.1 MiB on its own
         parts = p["footprint_mib"] - p["active_mib"] - p["cache_mib"] - doc["baseline_mib"]
