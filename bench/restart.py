@@ -5,7 +5,7 @@ A router on the demo model (or ``--model``, with ``--router-arg`` flags; from th
 standby has finished its imports (unless ``--no-wait-standby``), each: an operator
 restart (``POST /admin/workers/restart``) and a SIGKILL of the worker, twice: seconds until
 the old process is gone and until the new worker serves a completion, and the new worker's
-start by phase from its log (from a standby or a new process; imports, weights, tokenizer,
+start by phase from its log (from a standby or a new process; imports, weights, EOS ids,
 calibration and boot, warm start); then a stop, and whether the router's log shows a kill
 or a heartbeat warning. Two checkouts run back to back on one machine give the before
 and after (an older checkout's log has no phases: they are left out).
@@ -36,8 +36,10 @@ READY_S = 120.0
 START_LINE = re.compile(r"mlx-worker\[(?P<pid>\d+)\].*start to ready in (?P<total>[\d.]+) s \((?P<how>[^)]*)\): "
                         r"imports (?P<imports>[\d.]+) s, model loaded in (?P<load>[\d.]+) s, "
                         r"calibration and boot (?P<boot>[\d.]+) s, warm start (?P<warm>[\d.]+) s")
+# Beside the weights: the EOS ids (read from the folder's files, or its tokenizer loaded);
+# a checkout before 2026-12-05 09:30 loaded the tokenizer always ("tokenizer N s").
 LOAD_LINE = re.compile(r"mlx-worker\[(?P<pid>\d+)\].*loaded .*: weights (?P<weights>[\d.]+) s, "
-                       r"tokenizer (?P<tokenizer>[\d.]+) s")
+                       r"(?:tokenizer (?P<tokenizer>[\d.]+) s|EOS .* from (?P<source>.+?) \((?P<eos>[\d.]+) s)")
 
 
 def _wait(what: str, predicate: Any, timeout_s: float) -> None:
@@ -58,7 +60,8 @@ def phases(lines: list[str], pid: int) -> dict[str, Any]:
             out.update(start=m["how"], worker_ready_s=float(m["total"]), imports_s=float(m["imports"]),
                        load_s=float(m["load"]), boot_s=float(m["boot"]), warm_start_s=float(m["warm"]))
         elif m := LOAD_LINE.search(line):
-            out.update(weights_s=float(m["weights"]), tokenizer_s=float(m["tokenizer"]))
+            out.update(weights_s=float(m["weights"]), eos_s=float(m["eos"] or m["tokenizer"]),
+                       eos_from=m["source"] or "its tokenizer")
     return out
 
 

@@ -128,7 +128,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         "kv_bytes_per_token": calibration.kv_bytes_per_token,
         "holdout_measured_over_predicted": calibration.holdout_ratio}
     grammars = make_grammars(loaded)
-    engine = make_engine(group, loaded.model, list(loaded.tokenizer.eos_token_ids),
+    engine = make_engine(group, loaded.model, list(loaded.eos_token_ids),
                     prefill_step_size=step,
                     prefill_batch_size=PREFILL_BATCH_SIZE, max_batch_size=cfg.max_batch_size,
                     grammars=grammars)
@@ -158,7 +158,7 @@ def build_server(cfg: WorkerConfig, loaded: LoadedModel, incarnation: int,
         incarnation=incarnation, pid=os.getpid(), package_version=__version__,
         model_id=loaded.model_id, fingerprint=loaded.fingerprint,
         context_length=shape.context_length, tokenizer_path=str(loaded.path),
-        eos_token_ids=sorted(loaded.tokenizer.eos_token_ids), admission=admission,
+        eos_token_ids=list(loaded.eos_token_ids), admission=admission,
         cost_model=model.to_dict(), boundaries=boundaries_used(cache, engine.can_trim),
     )
     opts = ServerOptions(router_addr=cfg.router, incarnation=incarnation,

@@ -29,7 +29,7 @@ class LoadError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     model: Any
-    tokenizer: Any            # mlx-lm's TokenizerWrapper
+    eos_token_ids: tuple[int, ...]  # what mlx-lm's TokenizerWrapper would end a row on
     path: Path
     model_id: str
     config: dict[str, Any]
@@ -95,27 +95,99 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
     if not wait_for_memory(lambda: psutil.virtual_memory().available, needed, wait_for_memory_s):
         log.warning("only %d MiB available for %d MiB of weights after waiting %.0fs; loading anyway",
                     psutil.virtual_memory().available >> 20, needed >> 20, wait_for_memory_s)
+    config = json.loads((path / "config.json").read_text())
     try:
-        # mlx_lm.load's two steps, side by side: the tokenizer (1.6-2.3 s for a 152k
-        # vocabulary on the H200's host, mostly transformers' Python and tokenizers' parse)
-        # loads in a thread while the weights load (1.2-1.4 s there, mostly MLX's own code).
-        from mlx_lm.utils import load_config, load_model as load_weights, load_tokenizer
+        # The worker needs of the tokenizer only its EOS ids (the router tokenizes; the
+        # grammar compiler loads its own at the first grammar), and loading it took
+        # longer than the weights (a 152k vocabulary: 1.6-2.3 s on the H200's host against
+        # 1.2-1.4 s of weights): they are read from the folder's files where those say
+        # them plainly, else taken from the tokenizer as mlx-lm loads it; either beside
+        # the weights.
+        from mlx_lm.utils import load_model as load_weights, load_tokenizer
+
+        def eos_ids() -> tuple[list[int], str]:
+            eos = folder_eos_token_ids(path, config)
+            if eos is not None:
+                return eos, "the folder's files"
+            tokenizer = load_tokenizer(path, {"trust_remote_code": trust_remote_code},
+                                       eos_token_ids=config.get("eos_token_id"))
+            return sorted(tokenizer.eos_token_ids), "its tokenizer"
 
         started = time.monotonic()
-        eos = load_config(path).get("eos_token_id", None)  # what load_weights' config says
-        tokenizing = _Background(lambda: load_tokenizer(path, {"trust_remote_code": trust_remote_code},
-                                                        eos_token_ids=eos), "load-tokenizer")
+        finding = _Background(eos_ids, "eos-ids")
         try:
             loaded, _ = load_weights(path, trust_remote_code=trust_remote_code)
         finally:
             weights_s = time.monotonic() - started
-            tokenizer = tokenizing.result()
+            eos, source = finding.result()
     except Exception as exc:
         raise LoadError(f"mlx-lm could not load {path}: {exc}") from None
-    config = json.loads((path / "config.json").read_text())
-    log.info("loaded %s from %s: weights %.2f s, tokenizer %.2f s (beside the weights; both in %.2f s)",
-             model, path, weights_s, tokenizing.seconds, time.monotonic() - started)
-    return LoadedModel(loaded, tokenizer, path, model, config, fingerprint(path))
+    log.info("loaded %s from %s: weights %.2f s, EOS %s from %s (%.2f s, beside the weights)", model, path,
+             weights_s, eos, source, finding.seconds)
+    return LoadedModel(loaded, tuple(eos), path, model, config, fingerprint(path))
+
+
+def folder_eos_token_ids(path: Path, config: dict[str, Any]) -> list[int] | None:
+    """The EOS ids mlx-lm's ``load`` gives a model (config.json's ``eos_token_id`` and the
+    tokenizer's own ``eos_token``), read from the folder's JSON files; None wherever only
+    loading the tokenizer can say (no tokenizer.json, a tokenizer with its own code, an
+    EOS named nowhere or in two places that disagree, a token not in the vocabulary)."""
+    ids = config.get("eos_token_id")
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+        return None
+    try:
+        tokenizer_config = _json(path / "tokenizer_config.json")
+        special = _json(path / "special_tokens_map.json")
+        spec = _json(path / "tokenizer.json")
+    except (OSError, ValueError):
+        return None
+    if spec is None or tokenizer_config is None or "auto_map" in tokenizer_config:
+        return None  # a tokenizer with its own code: loading it runs it (trusted) or refuses it
+    named = {_content(d.get("eos_token")) for d in (tokenizer_config, special or {}) if d.get("eos_token")}
+    if len(named) != 1 or None in named:
+        return None  # the tokenizer class's default, or two names: only loading it says
+    token_id = _token_id(spec, named.pop())
+    if token_id is None:
+        return None
+    return sorted({*(ids or []), token_id})
+
+
+def _json(file: Path) -> Any:
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+
+
+def _content(token: Any) -> str | None:
+    """A special token as the tokenizer files write it: a string, or an AddedToken's dict."""
+    if isinstance(token, str):
+        return token
+    if isinstance(token, dict) and isinstance(token.get("content"), str):
+        return token["content"]
+    return None
+
+
+def _token_id(spec: dict[str, Any], token: str) -> int | None:
+    """``token``'s id in a tokenizer.json: an added token's, else the model vocabulary's."""
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and type(added.get("id")) is int:
+            return int(added["id"])
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and type(vocab.get(token)) is int:
+        return int(vocab[token])
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id is the index
+        for i, entry in enumerate(vocab):
+            if isinstance(entry, list) and entry and entry[0] == token:
+                return i
+    return None
+
+
+def load_hf_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
+    """mlx-lm's tokenizer for the folder, for what the worker rarely needs of it (a vocabulary
+    size its config does not give)."""
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(path, {"trust_remote_code": trust_remote_code})
 
 
 class _Background:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from worker.grammar import GrammarCompiler
-from worker.loader import LoadedModel, context_length
+from worker.loader import LoadedModel, context_length, load_hf_tokenizer
 from worker.memory import ModelShape
 
 
@@ -40,5 +40,5 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 def make_grammars(loaded: LoadedModel) -> GrammarCompiler:
     """Every rank of a distributed group needs the same one: a row's grammar mask decides
     its token, which every rank feeds back."""
-    return GrammarCompiler(str(loaded.path), model_shape(loaded).vocab_size or loaded.tokenizer.vocab_size,
-                           sorted(loaded.tokenizer.eos_token_ids))
+    vocab = model_shape(loaded).vocab_size or load_hf_tokenizer(loaded.path).vocab_size  # a config without one
+    return GrammarCompiler(str(loaded.path), vocab, list(loaded.eos_token_ids))

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(cache_home: Path) -> Engine:
     loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
-    return Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,
+    return Engine(loaded.model, list(loaded.eos_token_ids), prefill_step_size=64,
                   prefill_batch_size=8, max_batch_size=32)
 
 
@@ -189,7 +189,7 @@ def cached_engine(cache_home: Path, *, prefill_step_size: int) -> Engine:
     from worker.prefix_cache import PrefixCache
 
     loaded = load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=prefill_step_size,
+    engine = Engine(loaded.model, list(loaded.eos_token_ids), prefill_step_size=prefill_step_size,
                     prefill_batch_size=8, max_batch_size=8)
     engine.cache = PrefixCache(max_bytes=1 << 30, max_entries=8)
     engine.kv_bytes_per_token = 1

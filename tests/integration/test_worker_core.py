@@ -36,7 +36,7 @@ def loaded(cache_home: Path) -> object:
 
 
 def make_core(loaded: object, clock: Any = time.monotonic) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
-    engine = Engine(loaded.model, list(loaded.tokenizer.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
+    engine = Engine(loaded.model, list(loaded.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
                     prefill_batch_size=8, max_batch_size=8)
     probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
     # A large KV per token: a short request (fast on the CPU) is a large promise.
