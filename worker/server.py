@@ -143,6 +143,8 @@ class WorkerServer:
             signal.signal(signal.SIGUSR1, self._on_grow_signal)
         self.say_hello()
         self.heartbeat.start()
+        if self.engine.grammars is not None:
+            self.engine.grammars.prepare()  # serving now: the first grammar will not wait for it
         log.info("worker %d (incarnation %d) serving", os.getpid(), self.opts.incarnation)
         while self.stop_reason is None:
             self.loop_once()
