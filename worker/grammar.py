@@ -13,6 +13,7 @@ of allowed next tokens and sets every other logit to -inf.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,8 +40,9 @@ class GrammarCompiler:
     def prepare(self) -> None:
         """Build the tokenizer llguidance needs now, on the compile thread, so that the first
         grammar after a start does not wait for it (2.4 s for a 152k vocabulary on this
-        project's 2-core box). Called once the worker serves, never before: it is no part of
-        the start. A failure shows again at the first grammar, as that request's refusal."""
+        project's 2-core box). The worker calls it once it serves and its engine is idle:
+        it is no part of the start. A failure shows again at the first grammar, as that
+        request's refusal."""
         self._pool.submit(self._llg_tokenizer)
 
     def _llg_tokenizer(self) -> LLTokenizer:
@@ -49,8 +51,10 @@ class GrammarCompiler:
             from llguidance.hf import from_tokenizer
             from transformers import AutoTokenizer
 
+            started = time.monotonic()
             hf = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
             self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
+            log.info("grammar tokenizer built in %.2f s", time.monotonic() - started)
         return self._tokenizer
 
     def _compile(self, grammar: str) -> LLMatcher:

@@ -49,6 +49,10 @@ SHUTDOWN_GRACE_S = 10.0
 EXIT_WRITES_S = 1.0
 # After the router is gone, give the loop this long to exit on its own.
 ORPHAN_EXIT_S = 5.0
+# llguidance's tokenizer is built once the engine has been idle this long after the worker
+# started serving: the build holds the GIL for up to 0.8 s at a time (a 152k vocabulary,
+# 2.7 s in all here), which beside running requests would stall the loop between steps.
+GRAMMAR_PREPARE_IDLE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class WorkerServer:
         self._router_seen_at = 0.0
         self._hello_sent_at = 0.0
         self._grow_scale = False
+        self._idle_since: float | None = None  # the engine has had no work since (None: it has)
+        self._grammars_prepared = engine.grammars is None
 
     @property
     def engine(self) -> Engine:
@@ -143,8 +149,6 @@ class WorkerServer:
             signal.signal(signal.SIGUSR1, self._on_grow_signal)
         self.say_hello()
         self.heartbeat.start()
-        if self.engine.grammars is not None:
-            self.engine.grammars.prepare()  # serving now: the first grammar will not wait for it
         log.info("worker %d (incarnation %d) serving", os.getpid(), self.opts.incarnation)
         while self.stop_reason is None:
             self.loop_once()
@@ -168,8 +172,21 @@ class WorkerServer:
             core.timing.busy_s += time.perf_counter() - sent_at
         core.published()
         self._hello_again()
+        self._prepare_grammars_when_idle(busy or core.engine.has_work)
         if self.opts.wedge_after_steps is not None and core.timing.steps >= self.opts.wedge_after_steps:
             self._wedge()
+
+    def _prepare_grammars_when_idle(self, busy: bool) -> None:
+        """Once, when the engine has been idle GRAMMAR_PREPARE_IDLE_S: the first grammar
+        then finds llguidance's tokenizer built (one that comes sooner builds it itself)."""
+        if self._grammars_prepared:
+            return
+        now = time.monotonic()
+        if busy or self._idle_since is None:
+            self._idle_since = None if busy else now
+        elif now - self._idle_since >= GRAMMAR_PREPARE_IDLE_S and self.engine.grammars is not None:
+            self.engine.grammars.prepare()
+            self._grammars_prepared = True
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag: the loop notices it at the next step boundary.

@@ -24,6 +24,7 @@ RESTART_MARGIN_S = 7.2
 STANDBY_S = 30.0            # a standby is spawned once the worker is ready
 STANDBY_MAX_RSS_BYTES = 300 << 20
 EXIT_S = 4.0
+GRAMMAR_PREPARE_S = 30.0    # idle 1 s, then the demo tokenizer's build (0.1 s alone)
 
 
 def standby_of(router: Router, but_not: tuple[int | None, ...] = ()) -> int:
@@ -62,6 +63,11 @@ def test_a_killed_worker_is_replaced_by_its_standby_within_the_figure(
     assert log.index("killed by SIGKILL") < log.index("its standby, told to go"), log[-4000:]
     assert f"mlx-worker[{standby}]" in log and "from a standby, told to go" in log, log[-4000:]
     print(f"SIGKILL to serving from the standby: {took_s:.2f} s")
+    # No grammar was asked for: the new worker, once idle, builds llguidance's tokenizer by
+    # itself, so the first grammar after the restart does not wait for it.
+    built = f"mlx-worker[{standby}] INFO worker.grammar: grammar tokenizer built"
+    wait_until(lambda: built in router.log_path.read_text(errors="replace"), GRAMMAR_PREPARE_S,
+               "the restarted worker to build its grammar tokenizer while idle", on_fail=router.log)
 
     # The new worker gets its own standby; the router's stop takes both.
     following = standby_of(router, but_not=(standby,))
