@@ -61,8 +61,8 @@ CAUGHT_ERROR_WINDOW_S = 60.0
 # so early outliers (kernel compilation, allocator warm-up) do not shrink capacity for the
 # worker's life, and a recent overshoot keeps its protection for the whole window.
 SCALE_WINDOW_S = 60.0
-# Pressure that comes and goes (on the H200 a tight limit flipped it every 0.3-2 s, with
-# nothing stopped) is logged at WARNING at most this often; the lines between are DEBUG and
+# Pressure that comes and goes (under a tight limit it can flip every second with nothing
+# stopped) is logged at WARNING at most this often; the lines between are DEBUG and
 # counted into the next WARNING, and every change is counted in the status report.
 PRESSURE_LOG_QUIET_S = 30.0
 SCALE_HALF_LIFE_S = 20.0
@@ -193,7 +193,7 @@ class ScaleTracker:
         self.worst_ratio = 0.0          # worst measured / predicted-at-the-current-scale
         # The window's ratios as a monotonic queue (each older than and above the next):
         # its head is the window's largest, kept in O(1) per step (a scan of a minute of
-        # steps cost ~80 µs a step on the H200, at one stream ~1% of each token).
+        # steps would cost about 1% of each token at one stream on a fast GPU).
         self._window: deque[tuple[float, float]] = deque()
         self._decayed_at = now
         self.history: deque[ScaleChange] = deque([ScaleChange(now, 1.0, "fitted")], maxlen=SCALE_HISTORY)
@@ -490,8 +490,8 @@ class MemoryGate:
         if not action.admit:
             # Act only on what the device says now: a device figure read before the last
             # step's transients were freed (CUDA's per-process bytes are read every 0.25 s)
-            # once made the worker stop requests of its own memory, as if another process
-            # had taken it (the H200, 32 long streams).
+            # would make the worker stop requests of its own memory, as if another process
+            # had taken it.
             mem.probe.invalidate()
             action, allocated = self._pressure_now(view, chunk_tokens)
             if not action.admit and self._reclaim_before_set_aside():
@@ -533,10 +533,10 @@ class MemoryGate:
         more before its evaluation waits for the device (after the step, ``end_step``).
 
         The host queues kernels ahead of the device, and their buffers add up: under a
-        limit at the whole budget a step's peak was whatever the queue reached (on the H200
-        up to 10x what the forward needs run in order), the scale learned that as an
-        overshoot (1.0 -> 1.91 in one serve run) and admission then held a fraction of
-        the rows the budget holds. Bounded here, the queue stays within the prediction, so
+        limit at the whole budget a step's peak is whatever the queue reaches (up to 10x
+        what the forward needs run in order), the scale learns that as an overshoot and
+        admission then holds a fraction of the rows the budget holds (bench/README,
+        "Run-ahead"). Bounded here, the queue stays within the prediction, so
         a peak above it is what the forward needs in order: a real error of the model,
         which the scale must learn. Fitted, not scaled: a limit that grew with the scale
         would let the queue grow the scale again."""
@@ -569,10 +569,9 @@ class MemoryGate:
         return self.memory.probe.limit_bytes - self.memory.used_bytes(r) >= r.system_available_bytes
 
     def _set_aside_runtime(self) -> bool:
-        """The process itself holds more than MLX counts (on the H200 NVML's figure for the
-        worker ran 0.2-0.8 GB above MLX's active + cache + the idle baseline during steps,
-        and the gate went in and out of "pressure" every second under a tight limit): that
-        is this process's runtime, not another process, so it is set aside from the budget
+        """The process itself holds more than MLX counts, still after a clear (kernel
+        workspaces, the driver's own pools: on a GPU hundreds of MB during steps): that is
+        this process's runtime, not another process, so it is set aside from the budget
         for good, once, instead of stopping admissions and requests each time it shows.
         Requests already running keep what they were promised. True when the budget moved."""
         mem = self.memory
