@@ -95,8 +95,8 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
     if not wait_for_memory(lambda: psutil.virtual_memory().available, needed, wait_for_memory_s):
         log.warning("only %d MiB available for %d MiB of weights after waiting %.0fs; loading anyway",
                     psutil.virtual_memory().available >> 20, needed >> 20, wait_for_memory_s)
-    config = json.loads((path / "config.json").read_text())
     try:
+        config = json.loads((path / "config.json").read_text())
         # The worker needs of the tokenizer only its EOS ids (the router tokenizes; the
         # grammar compiler loads its own at the first grammar), and loading it took
         # longer than the weights (a 152k vocabulary: 1.6-2.3 s on the H200's host against
