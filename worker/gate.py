@@ -494,8 +494,12 @@ class MemoryGate:
             # had taken it.
             mem.probe.invalidate()
             action, allocated = self._pressure_now(view, chunk_tokens)
-            if not action.admit and self._reclaim_before_set_aside():
+            held = self._reclaim_before_set_aside()
+            if held:
                 action, allocated = self._pressure_now(view, chunk_tokens)
+                if mem.last is not None:  # which kind of memory it was: bench.runtime's question
+                    log.debug("the process held %d MiB beyond MLX's count; after a clear %d MiB",
+                              held >> 20, mem.runtime_excess(mem.last) >> 20)
             if not action.admit and self._set_aside_runtime():
                 action, allocated = self._pressure_now(view, chunk_tokens)
         self._follow_device()
@@ -551,18 +555,19 @@ class MemoryGate:
         if self.admission:
             self._follow_device()
 
-    def _reclaim_before_set_aside(self) -> bool:
+    def _reclaim_before_set_aside(self) -> int:
         """The process holds more than MLX counts: before any of it is set aside for good,
         what is only kept for reuse is given back (MLX's buffer cache, and with it what the
         runtime's allocator may keep of freed buffers), and the device read again. Only what
-        the process still holds then is its runtime's own. True when there was an excess to
-        clear for."""
+        the process still holds then is its runtime's own. Returns the excess it cleared
+        for (0: none, nothing cleared)."""
         mem = self.memory
         r = mem.last
-        if r is None or mem.runtime_excess(r) < RUNTIME_MIN_BYTES or self._device_binds(r):
-            return False
+        excess = mem.runtime_excess(r) if r is not None else 0
+        if r is None or excess < RUNTIME_MIN_BYTES or self._device_binds(r):
+            return 0
         mem.probe.clear_cache()  # and the next reading is fresh
-        return True
+        return excess
 
     def _device_binds(self, r: Reading) -> bool:
         """The device's free memory, not the limit, is what ran out: another process took it."""

@@ -379,7 +379,8 @@ class PoolProbe(FakeProbe):
         self.pool_bytes = 0
 
 
-def test_what_clearing_gives_back_is_never_set_aside() -> None:
+def test_what_clearing_gives_back_is_never_set_aside(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="worker.gate")
     gate, memory, probe, budget = outside_gate(PoolProbe)
     # A step freed 400 MiB that the runtime's pool keeps: the process holds it, MLX does not
     # count it, and a clear gives it back. It is not the runtime's own: nothing is set aside.
@@ -392,6 +393,8 @@ def test_what_clearing_gives_back_is_never_set_aside() -> None:
     assert probe.cleared == 1
     assert action.admit and action.evict == 0 and not gate.under_pressure
     assert memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+    # The log says which kind of memory it was (what bench.runtime asks on a GPU).
+    assert any("held 400 MiB beyond MLX's count; after a clear 0 MiB" in r.getMessage() for r in caplog.records)
     # What a clear does not give back is the runtime's own: set aside, after the clear.
     probe.footprint_bytes += 400 * MIB
     memory.refresh()
