@@ -145,6 +145,8 @@ def folder_eos_token_ids(path: Path, config: dict[str, Any]) -> list[int] | None
         return None
     if spec is None or tokenizer_config is None or "auto_map" in tokenizer_config:
         return None  # a tokenizer with its own code: loading it runs it (trusted) or refuses it
+    if "eos_token" in tokenizer_config and not tokenizer_config["eos_token"]:
+        return None  # named "none" here: whether the other file's name wins is transformers' call
     named = {_content(d.get("eos_token")) for d in (tokenizer_config, special or {}) if d.get("eos_token")}
     if len(named) != 1 or None in named:
         return None  # the tokenizer class's default, or two names: only loading it says

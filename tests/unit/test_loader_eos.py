@@ -34,7 +34,9 @@ def build(folder: Path, *, eos: str | None, form: str, special_map: str, config_
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     tok.save(str(folder / "tokenizer.json"))
     tokenizer_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
-    if eos is not None and form != "absent":
+    if form == "null":
+        tokenizer_config["eos_token"] = None
+    elif eos is not None and form != "absent":
         tokenizer_config["eos_token"] = eos if form == "string" else _added(eos)
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if special_map != "none" and eos is not None:
@@ -48,9 +50,9 @@ def build(folder: Path, *, eos: str | None, form: str, special_map: str, config_
     return config
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(eos=st.sampled_from([*SPECIALS, "end", "missing-token", None]),
-       form=st.sampled_from(["string", "dict", "absent"]),
+       form=st.sampled_from(["string", "dict", "absent", "null"]),
        special_map=st.sampled_from(["none", "same", "other"]),
        config_eos=st.sampled_from([None, 7, [6, 7], [3]]))
 def test_the_folders_eos_ids_are_mlx_lms_wherever_the_files_say_them(
@@ -60,7 +62,7 @@ def test_the_folders_eos_ids_are_mlx_lms_wherever_the_files_say_them(
         config = build(folder, eos=eos, form=form, special_map=special_map, config_eos=config_eos)
         fast = folder_eos_token_ids(folder, config)
         plainly_named = (eos is not None and eos != "missing-token"
-                         and ((form != "absent" and special_map in ("none", "same"))
+                         and ((form in ("string", "dict") and special_map in ("none", "same"))
                               or (form == "absent" and special_map == "same")))
         if plainly_named:
             assert fast is not None, "the files name the EOS once: no tokenizer load is needed"
