@@ -74,6 +74,11 @@ class ThreadClock:
                 continue
         return totals
 
+    def restart(self) -> None:
+        """Count from now: what ran before (processes starting, kernels compiling) is left out;
+        a thread first seen later counts from then."""
+        self.first = dict(self.last)
+
     def rows(self, names: dict[int, str] | None = None) -> list[dict[str, Any]]:
         """One row per thread that used CPU, the busiest first."""
         names = names or {}

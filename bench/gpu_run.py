@@ -722,8 +722,9 @@ def part_agents(args: argparse.Namespace) -> dict[str, Any]:
 
 def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
     """``bench serve`` (default: long prompts at c = 32, every system, one repetition) with
-    every thread's CPU time counted from the kernel, and the Headroom worker profiled by
-    py-spy with ``--idle --native`` once it is busy (a thread waiting on the device without
+    every thread's CPU time counted from the kernel from when the Headroom worker first
+    serves (the starts and their kernel compiles left out), and that worker profiled by
+    py-spy with ``--idle --native`` from then (a thread waiting on the device without
     the GIL looks idle to a Python profile): which process and thread burns the CPU per
     token, and in what (bench/cpusplit.py)."""
     from bench.cpusplit import ThreadClock, parse_raw, summary
@@ -754,8 +755,10 @@ def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
                 busy = [pid for pid, cpu in totals.items() if clock.roles.get(pid) in ("worker", "standby")
                         and cpu - seen.get(pid, cpu) > CPUPROFILE_BUSY * CPUPROFILE_LOOK_S]
                 seen = totals
-                if spy is None and busy and exe is not None:  # the worker serves: profile it from here
+                if spied is None and busy:  # the worker serves: count and profile from here
                     spied = busy[0]
+                    clock.restart()
+                if spy is None and spied is not None and exe is not None:
                     spy = subprocess.Popen([exe, "record", "--pid", str(spied), "--duration", str(round(args.profile_s)),
                                             "--rate", "50", "--idle", "--native", "--threads", "--format", "raw",
                                             "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

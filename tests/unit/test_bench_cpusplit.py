@@ -75,6 +75,9 @@ def test_every_thread_of_a_process_tree_is_counted_from_the_kernel() -> None:
             child.stdin.write("\n")
             child.stdin.flush()
             child.wait(10)
+    restarted = ThreadClock(first={(1, 1): 1.0}, last={(1, 1): 5.0}, roles={1: "worker"})
+    restarted.restart()  # counted from now: what ran before is left out
+    assert restarted.rows() == []
     busy = [r for r in rows if r["tid"] == spinner]
     assert busy, f"the spinning thread was not counted: {rows}"
     assert busy[0]["pid"] == child.pid and busy[0]["role"] == "other" and busy[0]["comm"] == "python"
