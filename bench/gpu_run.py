@@ -266,11 +266,23 @@ def _ms(seconds: float | None) -> float | None:
 def part_runtime(args: argparse.Namespace) -> dict[str, Any]:
     """``bench.runtime``: what this process holds beyond MLX's count after each step of the
     agents' shape, and after ``mx.clear_cache()`` (what the gate's runtime set-aside is)."""
-    path = args.out / "runtime.json"
-    text = run_module(args, "runtime", ["bench.runtime", "--model", str(args.model_dir), "--out", str(path),
-                                        *args.runtime_arg])
-    (args.out / "runtime.txt").write_text(text)
-    print(text[-6000:])
+    path, text = args.out / "runtime.json", args.out / "runtime.txt"
+    argv = [sys.executable, "-m", "bench.runtime", "--model", str(args.model_dir), "--out", str(path),
+            *args.runtime_arg]
+    # Its lines go to $OUT as they are read: a run cut short by the part's or the call's
+    # limit still brings back every point it measured.
+    with open(text, "w") as out, open(args.out / "logs.txt", "a") as logs:
+        logs.write("\n===== runtime =====\n")
+        logs.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=logs)
+        try:
+            proc.wait(args.part_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(text.read_text()[-6000:])
+    if not path.exists():
+        raise RuntimeError(f"bench.runtime ended ({proc.returncode}) before its summary; runtime.txt has its points")
     doc = json.loads(path.read_text())
     return {"summary": doc["summary"], "baseline_mib": doc["baseline_mib"], "source": doc["source"]}
 

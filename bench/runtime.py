@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,9 @@ def _point(fp: Footprint, baseline: int, **where: Any) -> dict[str, Any]:
 
 
 def run(model: Any, *, rows_list: list[int], context: int, chunks: list[int], decode_steps: int,
-        passes: int) -> dict[str, Any]:
+        passes: int, on_point: Callable[[dict[str, Any]], None] = lambda point: None) -> dict[str, Any]:
+    """The sequence, ``passes`` times; ``on_point`` sees each point as it is read (a run cut
+    short keeps what it printed)."""
     import mlx.core as mx
 
     from worker.calibrate import new_row_cache
@@ -118,9 +121,11 @@ def run(model: Any, *, rows_list: list[int], context: int, chunks: list[int], de
                 done += n
                 points.append(_point(fp, baseline, run_pass=run_pass, rows=rows, tokens=n, context=done,
                                      ms=round(seconds * 1e3, 1)))
+                on_point(points[-1])
             del kv
             points.append(_point(fp, baseline, run_pass=run_pass, rows=rows, tokens=0, context=0, ms=0.0,
                                  note="rows gone"))
+            on_point(points[-1])
     return {"source": fp.source, "baseline_mib": round(baseline / MIB, 1), "points": points,
             "summary": summarize(points, passes)}
 
@@ -145,16 +150,20 @@ def summarize(points: list[dict[str, Any]], passes: int) -> dict[str, Any]:
     return out
 
 
+HEADER = (f"{'pass':>4} {'rows':>4} {'tokens':>6} {'context':>7} {'ms':>8} {'active':>8} {'cache':>8} "
+          f"{'footprint':>9} {'outside':>8} {'cleared':>8}")
+
+
+def line(q: dict[str, Any]) -> str:
+    return (f"{q['run_pass']:>4} {q['rows']:>4} {q['tokens']:>6} {q['context']:>7} {q['ms']:>8} "
+            f"{q['active_mib']:>8} {q['cache_mib']:>8} {q['footprint_mib']:>9} {q['outside_mib']:>8} "
+            f"{q['outside_cleared_mib']:>8}{'  ' + q['note'] if q.get('note') else ''}")
+
+
 def table(doc: dict[str, Any]) -> str:
     lines = [f"footprint from {doc['source']}, baseline {doc['baseline_mib']} MiB (MiB; outside = footprint "
-             f"- active - cache - baseline)",
-             f"{'pass':>4} {'rows':>4} {'tokens':>6} {'context':>7} {'ms':>8} {'active':>8} {'cache':>8} "
-             f"{'footprint':>9} {'outside':>8} {'cleared':>8}"]
-    for q in doc["points"]:
-        lines.append(f"{q['run_pass']:>4} {q['rows']:>4} {q['tokens']:>6} {q['context']:>7} {q['ms']:>8} "
-                     f"{q['active_mib']:>8} {q['cache_mib']:>8} {q['footprint_mib']:>9} {q['outside_mib']:>8} "
-                     f"{q['outside_cleared_mib']:>8}{'  ' + q['note'] if q.get('note') else ''}")
-    lines.append(json.dumps(doc["summary"]))
+             f"- active - cache - baseline)", HEADER, *(line(q) for q in doc["points"]),
+             json.dumps(doc["summary"])]
     return "\n".join(lines)
 
 
@@ -176,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
 
     mx.set_memory_limit(args.memory_limit_mb * MIB)
     model, _ = load(args.model)
+    print(HEADER, flush=True)
     doc = run(model, rows_list=args.rows, context=args.context, chunks=args.chunks,
-              decode_steps=args.decode_steps, passes=args.passes)
+              decode_steps=args.decode_steps, passes=args.passes,
+              on_point=lambda q: print(line(q), flush=True))
     doc["model"] = str(args.model)
     doc["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     print(table(doc))
