@@ -271,15 +271,7 @@ def part_runtime(args: argparse.Namespace) -> dict[str, Any]:
             *args.runtime_arg]
     # Its lines go to $OUT as they are read: a run cut short by the part's or the call's
     # limit still brings back every point it measured.
-    with open(text, "w") as out, open(args.out / "logs.txt", "a") as logs:
-        logs.write("\n===== runtime =====\n")
-        logs.flush()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=logs)
-        try:
-            proc.wait(args.part_timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc = _run_within(args, "runtime", argv, text)
     print(text.read_text()[-6000:])
     if not path.exists():
         raise RuntimeError(f"bench.runtime ended ({proc.returncode}) before its summary; runtime.txt has its points")
@@ -697,6 +689,20 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - started, 2)}
 
 
+def _run_within(args: argparse.Namespace, title: str, argv: list[str], stdout: Path) -> subprocess.Popen[bytes]:
+    """``argv`` with its output in ``stdout`` and its log in ``logs.txt`` (both written as
+    it goes), stopped (``_stop_bench``) at ``--part-timeout-s``."""
+    with open(stdout, "w") as out, open(args.out / "logs.txt", "a") as logs:
+        logs.write(f"\n===== {title} =====\n")
+        logs.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=logs)
+        try:
+            proc.wait(args.part_timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop_bench(proc)
+    return proc
+
+
 def _stop_bench(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM first (the bench then stops its servers), SIGKILL if it has not gone in 30 s."""
     proc.send_signal(signal.SIGTERM)
@@ -717,14 +723,7 @@ def part_agents(args: argparse.Namespace) -> dict[str, Any]:
             *args.serve_args]
     log.info("agents: %s", " ".join(argv))
     started = time.monotonic()
-    with open(args.out / "agents.txt", "w") as table, open(args.out / "logs.txt", "a") as logs:
-        logs.write("\n===== agents (bench progress) =====\n")
-        logs.flush()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=table, stderr=logs)
-        try:
-            proc.wait(args.part_timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop_bench(proc)
+    proc = _run_within(args, "agents (bench progress)", argv, args.out / "agents.txt")
     print((args.out / "agents.txt").read_text())
     for path in sorted(keep.glob("*/headroom*.log")):
         append_log(args.out, f"agents {path.name}", path)
