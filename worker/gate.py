@@ -494,7 +494,7 @@ class MemoryGate:
             # had taken it.
             mem.probe.invalidate()
             action, allocated = self._pressure_now(view, chunk_tokens)
-            held = self._reclaim_before_set_aside()
+            held = 0 if action.admit else self._reclaim_before_set_aside()
             if held:
                 action, allocated = self._pressure_now(view, chunk_tokens)
                 if mem.last is not None:  # which kind of memory it was: bench.runtime's question

@@ -403,6 +403,27 @@ def test_what_clearing_gives_back_is_never_set_aside(caplog: pytest.LogCaptureFi
     assert gate.model.budget_bytes == budget - memory.runtime_bytes
 
 
+class StaleFootprintProbe(PoolProbe):
+    """A footprint read before the last step's buffers were given back: read again, most of
+    it is gone (what is left, 50 MiB, is too little for pressure)."""
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        self.footprint_bytes -= self.pool_bytes - 50 * MIB
+        self.pool_bytes = 50 * MIB
+
+
+def test_a_fresh_reading_that_admits_clears_nothing() -> None:
+    gate, memory, probe, budget = outside_gate(StaleFootprintProbe)
+    probe.active_bytes += 100 * MIB
+    probe.pool_bytes = 400 * MIB
+    probe.footprint_bytes = probe.active_bytes + OUTSIDE + probe.pool_bytes
+    memory.refresh()
+    assert gate.pressure(view(4000), 512, now=1.0).admit
+    assert probe.invalidated == 1 and probe.cleared == 0  # the fresh read settled it: no clear
+    assert memory.runtime_bytes == 0 and gate.model.budget_bytes == budget
+
+
 def test_another_process_taking_the_device_is_never_set_aside_and_the_budget_keeps_a_floor() -> None:
     gate, memory, probe, budget = outside_gate()
     # The process grew a little, but the device's free memory is what ran out: pressure,
