@@ -93,7 +93,14 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None,
     log.info("%s", clock.summary(server.core.memory.warmup_s or 0.0))
     if cfg.parent_pipe:
         _watch_parent(server.on_parent_gone)
-    code = server.run()
+    try:
+        code = server.run()
+    except Exception:
+        # A bug outside a step (a step's own errors end in ENGINE_ERROR inside run). Exit
+        # now: the interpreter's teardown, with MLX's and the disk writer's threads alive,
+        # can crash (SIGSEGV) and hide this traceback's cause from the router's log.
+        log.critical("the worker's loop failed", exc_info=True)
+        _exit_now(ExitCode.ENGINE_ERROR)
     if watch is not None:
         watch.stand_down()  # the followers' sockets close as they leave
         _stop_group(server.engine)

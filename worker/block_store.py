@@ -110,6 +110,12 @@ class Hit:
         return self.join_bytes
 
 
+def _readable(b: Block) -> bool:
+    """In RAM or in a file. A block evicted while its write is queued is in neither: the
+    writer holds its arrays until the file exists, and a lookup reads only the two tiers."""
+    return b.kv is not None or b.file is not None
+
+
 def _slice(kv: list[LayerKV], upto: int) -> list[LayerKV]:
     return [(k[..., :upto, :], v[..., :upto, :]) for k, v in kv]
 
@@ -233,13 +239,14 @@ class BlockStore(CacheTiers):
         node, pos = self.root, 0
         while pos + BLOCK_TOKENS <= limit:
             b = node.children.get(block_key(node.key, ids[pos:pos + BLOCK_TOKENS]))
-            if b is None:
+            if b is None or not _readable(b):
                 break
             chain.append(b)
             node, pos = b, pos + BLOCK_TOKENS
         rest = ids[pos:limit]
         # The child that agrees longest (one in RAM on a tie) is used as far as it agrees.
-        ranked = [(common_prefix(c.ids, rest), c.kv is not None, c) for c in node.children.values()]
+        ranked = [(common_prefix(c.ids, rest), c.kv is not None, c)
+                  for c in node.children.values() if _readable(c)]
         use, _, best = max(ranked, key=lambda r: r[:2], default=(0, False, None))
         if best is not None and use:
             chain.append(best)

@@ -31,7 +31,7 @@ from worker.gate import EngineView, MemoryGate, is_memory_error
 from worker.grammar import GrammarCompiler
 from worker.memory import MemoryState
 from worker.pacer import ChunkPacer
-from worker.prefix_cache import CacheTiers
+from worker.prefix_cache import CacheTiers, Reuse
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,20 @@ class WorkerCore:
         log.info("refused: its grammar cannot be built here: %s", error, extra=about(msg.request_id))
         return self._reject(msg, RejectReason.BAD_GRAMMAR, f"this grammar cannot be enforced: {error}")
 
+    def _lookup(self, msg: Generate, view: EngineView) -> Reuse | None:
+        """The prompt cache's reuse for ``msg``. The cache only saves work: a fault inside it
+        (a bug) costs this request its reuse, never the worker and the batch beside it."""
+        assert self.cache is not None
+        try:
+            return self.cache.lookup(msg.prompt_ids,
+                                     self.gate.restore_room(view, len(msg.prompt_ids), msg.max_tokens))
+        except Exception as exc:
+            if is_memory_error(exc):
+                raise  # reading a block back ran out of memory: the gate's recovery handles it
+            log.error("prompt cache lookup failed; served cold", exc_info=True, extra=about(msg.request_id))
+            self.cache.counts.faults += 1
+            return None
+
     def admit(self, msg: Generate, compiled: Future[Any] | None = None) -> None:
         """The worker is authoritative: it takes only what the gate has room for. A request
         with a grammar first waits (here, never inside a step) for its compile: ``compiled``."""
@@ -228,8 +242,7 @@ class WorkerCore:
         # A prompt to score takes none: every position it scores must be run.
         n, view = len(msg.prompt_ids), self.view()
         scoring = msg.sampling.prompt_logprobs is not None
-        hit = self.cache.lookup(msg.prompt_ids, self.gate.restore_room(view, n, msg.max_tokens)) \
-            if reject is None and self.cache is not None and not scoring else None
+        hit = self._lookup(msg, view) if reject is None and self.cache is not None and not scoring else None
         at.append(time.perf_counter())
         if reject is None:
             decision = self.gate.can_admit(view, n, msg.max_tokens, reuse=hit, scoring=scoring)

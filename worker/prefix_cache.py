@@ -122,6 +122,7 @@ class HitCounts:
     misses: int = 0
     cached_tokens: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    faults: int = 0                 # lookups that raised (a bug): those requests ran cold
 
     def record(self, hit: Any) -> None:
         if hit is None:
@@ -133,7 +134,7 @@ class HitCounts:
 
     def report(self) -> dict[str, Any]:
         return {"hits": self.hits, "misses": self.misses, "cached_tokens": self.cached_tokens,
-                "hits_by_kind": dict(self.by_kind)}
+                "hits_by_kind": dict(self.by_kind), "faults": self.faults}
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

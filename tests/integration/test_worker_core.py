@@ -35,18 +35,19 @@ def loaded(cache_home: Path) -> object:
     return load_model("demo", {"XDG_CACHE_HOME": str(cache_home)})
 
 
-def make_core(loaded: object, clock: Any = time.monotonic) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
+def make_core(loaded: object, clock: Any = time.monotonic, cache_type: type[PrefixCache] = PrefixCache,
+              kv_bytes_per_token: int = MIB) -> tuple[WorkerCore, FakeProbe, PrefixCache]:
     engine = Engine(loaded.model, list(loaded.eos_token_ids), prefill_step_size=64,  # type: ignore[attr-defined]
                     prefill_batch_size=8, max_batch_size=8)
     probe = FakeProbe(limit_bytes=LIMIT, active_bytes=WEIGHTS, footprint_bytes=WEIGHTS + OUTSIDE)
     # A large KV per token: a short request (fast on the CPU) is a large promise.
-    model = costmodel.CostModel(kv_bytes_per_token=MIB, num_layers=4, prefill_a_bytes=20_000.0,
+    model = costmodel.CostModel(kv_bytes_per_token=kv_bytes_per_token, num_layers=4, prefill_a_bytes=20_000.0,
                                 prefill_c_bytes=8.0, prefill_b_bytes=MIB,
                                 budget_bytes=LIMIT - WEIGHTS - OUTSIDE - 16 * MIB, context_length=4096,
                                 prefill_step_tokens=64, prefill_batch_size=8)
     memory = MemoryState(probe=probe, model=model, weights_bytes=WEIGHTS, baseline_bytes=OUTSIDE,
                          active_baseline_bytes=0)
-    cache = PrefixCache(max_bytes=model.budget_bytes // 2, max_entries=8, budget_share=0.5)
+    cache = cache_type(max_bytes=model.budget_bytes // 2, max_entries=8, budget_share=0.5)
     opts = CoreOptions(incarnation=1, oom_guard="off", admission=True, max_running=8, vocab_size=512)
     return WorkerCore(opts, engine, memory, clock=clock, cache=cache), probe, cache
 
@@ -179,3 +180,39 @@ def test_a_grammar_that_never_compiles_is_refused_after_its_deadline(loaded: obj
     (reject,) = [m for m in core.step() if m.type == "reject"]
     assert reject.request_id == "g" and reject.reason == "bad_grammar"  # type: ignore[attr-defined]
     assert not core.is_compiling and not core.engine.has_work
+
+
+class FaultyLookup(PrefixCache):
+    """A prompt cache whose lookup raises for prompts that begin with POISON (a bug in the
+    cache, as an assertion inside the block store once was)."""
+
+    POISON = 499
+
+    def lookup(self, prompt: Any, restore_room: Any = None) -> Any:
+        if prompt[0] == self.POISON:
+            raise AssertionError("a block in neither tier")
+        return super().lookup(prompt, restore_room)
+
+
+def test_a_fault_inside_the_prompt_cache_costs_that_request_its_reuse_and_nothing_else(
+        loaded: object, caplog: pytest.LogCaptureFixture) -> None:
+    core, _, faulty = make_core(loaded, cache_type=FaultyLookup, kv_bytes_per_token=64 * 1024)
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    beside = Generate(incarnation=1, request_id="beside", prompt_ids=[5 + i for i in range(12)],
+                      max_tokens=6, sampling=greedy)
+    poisoned = Generate(incarnation=1, request_id="poisoned",
+                        prompt_ids=[FaultyLookup.POISON] + [6 + i for i in range(11)], max_tokens=6,
+                        sampling=greedy)
+    assert core.handle(beside) == []
+    with caplog.at_level("ERROR", logger="worker.core"):
+        assert core.handle(poisoned) == []  # admitted, cold: no refusal
+    assert "prompt cache lookup failed" in caplog.text
+    done: dict[str, int] = {}
+    for _ in range(200):
+        for m in core.step():
+            for row in getattr(m, "outputs", []):
+                done[row.request_id] = done.get(row.request_id, 0) + len(row.token_ids)
+        if not core.engine.has_work:
+            break
+    assert done == {"beside": 6, "poisoned": 6} and not core.broken
+    assert faulty.report()["faults"] == 1
