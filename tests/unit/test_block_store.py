@@ -350,7 +350,7 @@ def check_invariants(store: BlockStore, pending_ok: bool = False) -> None:
 def test_random_stores_hits_and_evictions_keep_the_ledger_exact(seed: int, with_disk: bool,
                                                                tmp_path: Path) -> None:
     rng = random.Random(seed)
-    store = make(tmp_path if with_disk else None, max_bytes=6 * B * PER_TOKEN, max_entries=4)
+    store = make(tmp_path if with_disk else None, max_bytes=6 * B * PER_TOKEN, max_entries=2 if with_disk else 4)
     heads = [seq(rng.randrange(20, 2 * B), 100 * i) for i in range(3)]  # shared beginnings
     held = []
     for _ in range(40):
