@@ -216,10 +216,7 @@ class WorkerCore:
             return self.cache.lookup(msg.prompt_ids,
                                      self.gate.restore_room(view, len(msg.prompt_ids), msg.max_tokens))
         except Exception as exc:
-            if is_memory_error(exc):
-                raise  # reading a block back ran out of memory: the gate's recovery handles it
-            log.error("prompt cache lookup failed; served cold", exc_info=True, extra=about(msg.request_id))
-            self.cache.counts.faults += 1
+            self.cache.fault("lookup", exc)
             return None
 
     def admit(self, msg: Generate, compiled: Future[Any] | None = None) -> None:

@@ -395,7 +395,11 @@ class Engine:
 
     def _wants(self, num_tokens: int, prompt: list[int]) -> bool:
         assert self.cache is not None
-        return self.cache.wants(num_tokens, prompt, num_tokens * self.kv_bytes_per_token)
+        try:
+            return self.cache.wants(num_tokens, prompt, num_tokens * self.kv_bytes_per_token)
+        except Exception as exc:
+            self.cache.fault("wants", exc)
+            return False
 
     def store_pending(self) -> None:
         """Copy into the prefix cache what the last step reached: rows at a message boundary
@@ -417,7 +421,10 @@ class Engine:
             return
         if not self.cache.copies_by_layer:
             mx.eval([c.state for c in cache])
-        self.cache.store(list(tokens), cache, keep=keep)
+        try:
+            self.cache.store(list(tokens), cache, keep=keep)
+        except Exception as exc:
+            self.cache.fault("store", exc)
 
     def _next_prefill(self) -> list[Running]:
         """The rows the next step's prefill chunk covers: a mirror of BatchGenerator._next.

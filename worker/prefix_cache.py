@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from worker.gate import CacheLedger
+from worker.gate import CacheLedger, is_memory_error
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class HitCounts:
     misses: int = 0
     cached_tokens: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
-    faults: int = 0                 # lookups that raised (a bug): those requests ran cold
+    faults: int = 0                 # lookups and stores that raised (a bug): ``CacheTiers.fault``
 
     def record(self, hit: Any) -> None:
         if hit is None:
@@ -223,6 +223,15 @@ class CacheTiers:
         self.num_stores = 0
         self.num_skipped = 0
         self.evictions: dict[str, int] = {}
+
+    def fault(self, what: str, exc: Exception) -> None:
+        """A call into the cache raised (a bug): the cache only saves work, so that reuse
+        or copy is lost and nothing else (the caller goes on without it). A memory error is
+        re-raised: it is the step's, for the gate's recovery."""
+        if is_memory_error(exc):
+            raise exc
+        log.error("prompt cache %s failed; going on without it", what, exc_info=exc)
+        self.counts.faults += 1
 
     def ledger(self) -> CacheLedger:
         raise NotImplementedError

@@ -182,9 +182,9 @@ def test_a_grammar_that_never_compiles_is_refused_after_its_deadline(loaded: obj
     assert not core.is_compiling and not core.engine.has_work
 
 
-class FaultyLookup(PrefixCache):
-    """A prompt cache whose lookup raises for prompts that begin with POISON (a bug in the
-    cache, as an assertion inside the block store once was)."""
+class FaultyCache(PrefixCache):
+    """A prompt cache whose lookup and store raise for prompts that begin with POISON (a
+    bug in the cache, as an assertion inside the block store once was)."""
 
     POISON = 499
 
@@ -193,18 +193,23 @@ class FaultyLookup(PrefixCache):
             raise AssertionError("a block in neither tier")
         return super().lookup(prompt, restore_room)
 
+    def store(self, tokens: Any, cache: Any, *, keep: bool = False) -> bool:
+        if tokens[0] == self.POISON:
+            raise AssertionError("a parent that is not the chain's")
+        return super().store(tokens, cache, keep=keep)
+
 
 def test_a_fault_inside_the_prompt_cache_costs_that_request_its_reuse_and_nothing_else(
         loaded: object, caplog: pytest.LogCaptureFixture) -> None:
-    core, _, faulty = make_core(loaded, cache_type=FaultyLookup, kv_bytes_per_token=64 * 1024)
+    core, _, faulty = make_core(loaded, cache_type=FaultyCache, kv_bytes_per_token=64 * 1024)
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     beside = Generate(incarnation=1, request_id="beside", prompt_ids=[5 + i for i in range(12)],
                       max_tokens=6, sampling=greedy)
     poisoned = Generate(incarnation=1, request_id="poisoned",
-                        prompt_ids=[FaultyLookup.POISON] + [6 + i for i in range(11)], max_tokens=6,
+                        prompt_ids=[FaultyCache.POISON] + [6 + i for i in range(11)], max_tokens=6,
                         sampling=greedy)
     assert core.handle(beside) == []
-    with caplog.at_level("ERROR", logger="worker.core"):
+    with caplog.at_level("ERROR", logger="worker.prefix_cache"):
         assert core.handle(poisoned) == []  # admitted, cold: no refusal
     assert "prompt cache lookup failed" in caplog.text
     done: dict[str, int] = {}
@@ -215,4 +220,5 @@ def test_a_fault_inside_the_prompt_cache_costs_that_request_its_reuse_and_nothin
         if not core.engine.has_work:
             break
     assert done == {"beside": 6, "poisoned": 6} and not core.broken
-    assert faulty.report()["faults"] == 1
+    # Its lookup and its store failed; the row beside it was stored as usual.
+    assert faulty.report()["faults"] == 2 and faulty.report()["stores"] == 1
