@@ -42,6 +42,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -763,8 +764,12 @@ def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
             while proc.poll() is None and time.monotonic() - started < args.part_timeout_s:
                 time.sleep(CPUPROFILE_LOOK_S)
                 totals = clock.look(proc.pid)
+                # Busy and serving: a worker's start (calibration, warm start) burns a core
+                # too, in NVRTC's kernel compiles on a fresh machine (83 % of the samples of
+                # the first profile, 2026-12-05, which started there).
+                serving = _serving_pids(keep)
                 busy = [pid for pid, cpu in totals.items() if clock.roles.get(pid) in ("worker", "standby")
-                        and cpu - seen.get(pid, cpu) > CPUPROFILE_BUSY * CPUPROFILE_LOOK_S]
+                        and pid in serving and cpu - seen.get(pid, cpu) > CPUPROFILE_BUSY * CPUPROFILE_LOOK_S]
                 seen = totals
                 if spied is None and busy:  # the worker serves: count and profile from here
                     spied = busy[0]
@@ -794,6 +799,17 @@ def part_cpuprofile(args: argparse.Namespace) -> dict[str, Any]:
         append_log(args.out, f"cpuprofile {path.name}", path)
     return {"returncode": proc.returncode, "limit_mb": limit_mb, "argv": argv, "worker_pid": spied,
             "threads": rows[:30], "wall_s": round(time.monotonic() - started, 2)}
+
+
+_SERVING = re.compile(r"worker (\d+) \(incarnation \d+\) serving")
+
+
+def _serving_pids(keep: Path) -> set[int]:
+    """Workers that said they serve, in the kept Headroom logs under ``keep``."""
+    pids: set[int] = set()
+    for path in keep.glob("*/headroom*.log"):
+        pids.update(int(m.group(1)) for m in _SERVING.finditer(path.read_text(errors="replace")))
+    return pids
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

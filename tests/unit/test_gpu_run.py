@@ -3,6 +3,8 @@ happen on the lent machine, never in CI)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,3 +32,19 @@ def test_the_runtime_and_cpuprofile_parts_are_known_with_their_arguments() -> No
     args = make_parser().parse_args(["runtime", "cpuprofile", "--runtime-arg=--rows=8", "--runtime-arg=--passes=3"])
     assert args.parts == ["runtime", "cpuprofile"]
     assert args.runtime_arg == ["--rows=8", "--passes=3"]
+
+
+def test_cpuprofile_counts_a_worker_only_once_it_said_it_serves(tmp_path: Path) -> None:
+    """A worker's start burns a core too (NVRTC's compiles on a fresh GPU machine): the
+    profile begins at the worker's own "serving" line, not at its first busy interval."""
+    from bench.gpu_run import _serving_pids
+
+    logs = tmp_path / "headroom-bench-x"
+    logs.mkdir()
+    (logs / "headroom.log").write_text(
+        "2026-12-05 12:05:28,125 mlx-worker[795] INFO worker.calibrate: calibration (probe, 74.46s)\n")
+    assert _serving_pids(tmp_path) == set()
+    with open(logs / "headroom.log", "a") as f:
+        f.write("2026-12-05 12:06:02,488 mlx-worker[795] INFO worker.server: worker 795 "
+                "(incarnation 3029587906568410518) serving\n")
+    assert _serving_pids(tmp_path) == {795}
