@@ -114,6 +114,9 @@ class PromptCacheMetrics:
             yield family
         yield CounterMetricFamily("headroom_prompt_cache_cached_tokens", "Prompt tokens served from the cache.",
                                   value=sum(_int(c.get("cached_tokens")) or 0 for c in caches))
+        yield CounterMetricFamily("headroom_prompt_cache_faults", "Lookups and stores that failed inside the "
+                                  "cache (a bug, logged by the worker): served cold or not kept.",
+                                  value=sum(_int(c.get("faults")) or 0 for c in caches))
         size = GaugeMetricFamily("headroom_prompt_cache_bytes", "Cached KV bytes, by tier.", labels=["tier"])
         count = GaugeMetricFamily("headroom_prompt_cache_entries", "Cache entries, by tier.", labels=["tier"])
         tiers = [t for c in caches if isinstance(t := c.get("tiers"), dict)]

@@ -31,6 +31,7 @@ def test_prompt_cache_metrics_by_tier() -> None:
 
     cache = {
         "enabled": True, "hits": 5, "misses": 2, "cached_tokens": 900, "hits_by_kind": {"prefix": 3, "disk": 2},
+        "faults": 1,
         "evictions": {"capacity": 1}, "tiers": {
             "ram": {"entries": 2, "bytes": 100},
             "disk": {"entries": 4, "bytes": 400, "hits": 2, "misses": 1, "writes": 6, "corrupt": 1,
@@ -45,6 +46,7 @@ def test_prompt_cache_metrics_by_tier() -> None:
     assert samples[("headroom_prompt_cache_writes_total", (("tier", "disk"),))] == 6
     assert samples[("headroom_prompt_cache_bytes", (("tier", "disk"),))] == 400
     assert samples[("headroom_prompt_cache_cached_tokens_total", ())] == 900
+    assert samples[("headroom_prompt_cache_faults_total", ())] == 1
 
 
 def test_block_store_metrics() -> None:
