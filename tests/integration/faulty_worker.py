@@ -1,7 +1,8 @@
 """A real mlx-worker with one test double inside: a row's grammar matcher or sampler that
 raises mid-run, for requests the test marks, or (``llguidance``) a grammar library that
 cannot build any grammar, as an llguidance older than ours failed on our EOS list. Run as
-``python -m tests.integration.faulty_worker grammar|sampler|sampler_start|llguidance <args>``.
+``python -m tests.integration.faulty_worker grammar|sampler|sampler_start|llguidance|loop <args>``
+(``loop``: admitting a request whose prompt starts with POISON_TOKEN raises, outside any step).
 
 The product has no fault flag: the double replaces the one callable the engine builds for
 a marked row (a grammar naming ``POISON``, or a sampler seeded with ``POISON_SEED``), so
@@ -15,11 +16,24 @@ from typing import Any
 
 POISON = "poison_field"     # a response_format schema property that marks the faulty row
 POISON_SEED = 4242          # a sampling seed that marks the faulty row
+POISON_TOKEN = 499          # a prompt's first token id that marks the faulty request ("loop")
 # The grammar after two tokens; the sampler at its first call; "sampler_start" as it is built.
 FAULT_AT_CALL = {"grammar": 3, "sampler": 1, "sampler_start": 0}
 
 
 def install(kind: str) -> None:
+    if kind == "loop":  # a bug in the loop outside any step: admitting a marked prompt raises
+        from worker import core
+
+        real_admit = core.WorkerCore.admit
+
+        def admit(self: core.WorkerCore, msg: Any, compiled: Any = None) -> None:
+            if msg.prompt_ids[:1] == [POISON_TOKEN]:
+                raise RuntimeError("injected fault in the worker's loop")
+            real_admit(self, msg, compiled)
+
+        core.WorkerCore.admit = admit  # type: ignore[method-assign]
+        return
     if kind == "llguidance":
         from worker import grammar
 

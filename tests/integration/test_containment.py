@@ -9,6 +9,7 @@ exactly the tokens they produce alone, and the worker keeps its pid: no restart.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import NO_EOS, Proc, Router, isolated_env
-from tests.integration.faulty_worker import POISON, POISON_SEED
+from tests.integration.faulty_worker import POISON, POISON_SEED, POISON_TOKEN
 
 PROMPTS = [f"containment {i}: " + "a b c " * i for i in range(6)]
 MAX_TOKENS = 24
@@ -33,8 +34,8 @@ READY_S = 90.0
 STREAM_S = 120.0
 
 
-def start(tmp_path: Path, cache_home: Path, kind: str) -> tuple[Router, Proc]:
-    router = Router(tmp_path, cache_home, "--worker-mode", "external")
+def start(tmp_path: Path, cache_home: Path, kind: str, *extra: str) -> tuple[Router, Proc]:
+    router = Router(tmp_path, cache_home, "--worker-mode", "external", *extra)
     argv = [sys.executable, "-m", "tests.integration.faulty_worker", kind, "--model", "demo",
             "--router", router.addr]
     worker = Proc(argv, isolated_env(cache_home, tmp_path), tmp_path / "worker.log")
@@ -144,3 +145,27 @@ def test_a_grammar_the_worker_cannot_build_is_a_400_before_any_step(skewed: tupl
     assert info.value.body["param"] == "tools"  # type: ignore[index]
     assert streamed_text(client, PROMPTS[0])  # a request without a grammar runs as ever
     assert worker.popen.poll() is None and router.worker()["pid"] == worker.pid
+
+
+def test_a_failure_in_the_loop_outside_a_step_exits_as_an_engine_error_with_its_cause(
+        tmp_path: Path, cache_home: Path) -> None:
+    """Not a row's failure (those end alone, above) but a bug in the worker's own loop: the
+    worker logs its traceback and exits ENGINE_ERROR at once (a supervisor restarts it),
+    without the interpreter's teardown, which could end it by SIGSEGV and lose the cause."""
+    from common.protocol import ExitCode
+
+    # The request then waits in the router's queue for a worker (this one is external:
+    # nobody restarts it): sent on a bare socket, it is left to the router's short drain.
+    router, worker = start(tmp_path, cache_home, "loop", "--drain-timeout", "1")
+    body = json.dumps({"prompt": [POISON_TOKEN, 5, 6], "max_tokens": 4}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", router.port), timeout=READY_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (router.port, len(body), body))
+            assert worker.popen.wait(timeout=READY_S) == ExitCode.ENGINE_ERROR, worker.log()
+        log = worker.log()
+        assert "the worker's loop failed" in log and "injected fault in the worker's loop" in log, log
+    finally:
+        router.stop()
+        worker.stop()
