@@ -103,14 +103,14 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
         # 1.2-1.4 s of weights): they are read from the folder's files where those say
         # them plainly, else taken from the tokenizer as mlx-lm loads it; either beside
         # the weights.
-        from mlx_lm.utils import load_model as load_weights, load_tokenizer
+        from mlx_lm.utils import load_model as load_weights
 
         def eos_ids() -> tuple[list[int], str]:
             eos = folder_eos_token_ids(path, config)
             if eos is not None:
                 return eos, "the folder's files"
-            tokenizer = load_tokenizer(path, {"trust_remote_code": trust_remote_code},
-                                       eos_token_ids=config.get("eos_token_id"))
+            tokenizer = load_hf_tokenizer(path, trust_remote_code=trust_remote_code,
+                                          eos_token_ids=config.get("eos_token_id"))
             return sorted(tokenizer.eos_token_ids), "its tokenizer"
 
         started = time.monotonic()
@@ -184,12 +184,12 @@ def _token_id(spec: dict[str, Any], token: str) -> int | None:
     return None
 
 
-def load_hf_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
-    """mlx-lm's tokenizer for the folder, for what the worker rarely needs of it (a vocabulary
-    size its config does not give)."""
+def load_hf_tokenizer(path: Path, *, trust_remote_code: bool = False, eos_token_ids: Any = None) -> Any:
+    """mlx-lm's tokenizer for the folder, for what the worker rarely needs of it (EOS ids its
+    files do not say plainly, a vocabulary size its config does not give)."""
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(path, {"trust_remote_code": trust_remote_code})
+    return load_tokenizer(path, {"trust_remote_code": trust_remote_code}, eos_token_ids=eos_token_ids)
 
 
 class _Background:

@@ -87,3 +87,20 @@ def test_a_tokenizer_with_its_own_code_is_loaded_not_read(tmp_path: Path) -> Non
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(spec))
     # Loading it runs its code (trusted) or refuses the folder, as mlx-lm's load did.
     assert folder_eos_token_ids(tmp_path, config) is None
+
+
+def test_where_the_files_disagree_the_worker_loads_the_tokenizer_for_its_eos_ids(tmp_path: Path) -> None:
+    """The two files name different EOS tokens: only the tokenizer says which one wins, so
+    the load takes its ids from the tokenizer, as mlx-lm's load does."""
+    import shutil
+
+    folder = tmp_path / "demo-copy"
+    shutil.copytree(ensure_demo_model(default_cache_root(os.environ)), folder)
+    special = json.loads((folder / "special_tokens_map.json").read_text())
+    special["eos_token"] = "<|endoftext|>"
+    (folder / "special_tokens_map.json").write_text(json.dumps(special))
+    config = json.loads((folder / "config.json").read_text())
+    assert folder_eos_token_ids(folder, config) is None
+    loaded = load_model(str(folder), os.environ, wait_for_memory_s=0)
+    want = sorted(load_tokenizer(folder, {}, eos_token_ids=config.get("eos_token_id")).eos_token_ids)
+    assert list(loaded.eos_token_ids) == want
