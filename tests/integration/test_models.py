@@ -50,8 +50,10 @@ def worker_pids(router: Router) -> dict[str, int]:
     # A standby (``--standby``) holds no model until it is told to become a worker, and
     # then /health lists it as one.
     workers = {w.get("pid") for w in router.health().get("workers", [])}
+    # Direct children only: a worker's own short-lived child (a library's fork before its
+    # exec) carries the worker's argv, and CI once saw one as a second "alpha".
     try:
-        children = psutil.Process(router.pid).children(recursive=True)
+        children = psutil.Process(router.pid).children(recursive=False)
     except psutil.NoSuchProcess:
         return out
     for child in children:
