@@ -29,9 +29,11 @@ CACHE_ENTRIES = 64
 class GrammarCompiler:
     """llguidance grammars for one model's tokenizer, compiled off the step loop and cached."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], *,
+                 trust_remote_code: bool = False) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._tokenizer_path = tokenizer_path
+        self._trust_remote_code = trust_remote_code  # a tokenizer with its own code, as the model was loaded
         self.vocab_size = vocab_size
         self._eos = eos_token_ids
         self._tokenizer: LLTokenizer | None = None
@@ -52,7 +54,8 @@ class GrammarCompiler:
             from transformers import AutoTokenizer
 
             started = time.monotonic()
-            hf = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True,
+                                               trust_remote_code=self._trust_remote_code)
             self._tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self._eos or None)
             log.info("grammar tokenizer built in %.2f s", time.monotonic() - started)
         return self._tokenizer

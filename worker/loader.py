@@ -34,6 +34,7 @@ class LoadedModel:
     model_id: str
     config: dict[str, Any]
     fingerprint: str
+    trust_remote_code: bool = False  # what loaded it: the grammar's tokenizer is loaded alike
 
 
 def resolve_path(model: str, env: Mapping[str, str]) -> Path:
@@ -124,7 +125,7 @@ def load_model(model: str, env: Mapping[str, str], *, wait_for_memory_s: float =
         raise LoadError(f"mlx-lm could not load {path}: {exc}") from None
     log.info("loaded %s from %s: weights %.2f s, EOS %s from %s (%.2f s, beside the weights)", model, path,
              weights_s, eos, source, finding.seconds)
-    return LoadedModel(loaded, tuple(eos), path, model, config, fingerprint(path))
+    return LoadedModel(loaded, tuple(eos), path, model, config, fingerprint(path), trust_remote_code)
 
 
 def folder_eos_token_ids(path: Path, config: dict[str, Any]) -> list[int] | None:

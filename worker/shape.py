@@ -40,5 +40,7 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 def make_grammars(loaded: LoadedModel) -> GrammarCompiler:
     """Every rank of a distributed group needs the same one: a row's grammar mask decides
     its token, which every rank feeds back."""
-    vocab = model_shape(loaded).vocab_size or load_hf_tokenizer(loaded.path).vocab_size  # a config without one
-    return GrammarCompiler(str(loaded.path), vocab, list(loaded.eos_token_ids))
+    trust = loaded.trust_remote_code
+    vocab = model_shape(loaded).vocab_size or \
+        load_hf_tokenizer(loaded.path, trust_remote_code=trust).vocab_size  # a config without one
+    return GrammarCompiler(str(loaded.path), vocab, list(loaded.eos_token_ids), trust_remote_code=trust)
