@@ -75,10 +75,13 @@ class BlockDisk:
 
     def read(self, info: BlockFile, num_layers: int) -> tuple[list[LayerKV] | None, str | None]:
         """(the block's arrays, None), or (None, "missing" | "corrupt") when its file is gone
-        or cannot be trusted (a damaged file is removed here; the caller forgets it)."""
+        or cannot be read or trusted (a damaged file is removed here; the caller forgets it)."""
         try:
             return bfmt.read(info, fingerprint=self.fingerprint, num_layers=num_layers), None
         except FileNotFoundError:
+            return None, "missing"
+        except OSError as exc:  # EIO, EACCES, a folder in its place: unreadable is as good as gone
+            log.warning("prompt cache: cannot read block %s: %s", info.path.name, exc)
             return None, "missing"
         except fmt.CorruptFile as exc:
             log.warning("prompt cache: removing untrusted block %s: %s", info.path.name, exc)
@@ -100,10 +103,6 @@ class BlockDisk:
     @property
     def num_dropped(self) -> int:
         return self._writer.num_dropped
-
-    @property
-    def num_errors(self) -> int:
-        return self._writer.num_errors
 
     def engine_busy(self, busy: bool) -> None:
         self._writer.engine_busy(busy)

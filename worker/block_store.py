@@ -264,7 +264,8 @@ class BlockStore(CacheTiers):
             return 0
         done = 0
         for b in missing:
-            assert b.file is not None
+            if b.file is None:  # not expected (its file is protected above); a miss from here
+                break
             kv, failure = self.disk.read(b.file, self.num_layers)
             if kv is None or kv_nbytes(kv) != b.nbytes:
                 self.disk_counts[failure or "corrupt"] += 1
@@ -317,8 +318,9 @@ class BlockStore(CacheTiers):
         per_token = sum(c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes for c in cache) / n
         new_bytes = int(sum(e - s for _, s, e, b in plan if b is None or b.kv is None) * per_token)
         protect = [b for _, _, _, b in plan if b is not None]
-        if new_bytes and not self._fit_ram(new_bytes, protect=protect):
-            self.num_skipped += 1
+        if new_bytes and not self._fit_ram(new_bytes, protect=protect) \
+                or any(self._blocks.get(b.key) is not b for b in protect):
+            self.num_skipped += 1  # (the second: a known block gone while room was made)
             return False
         chain: list[Block] = []
         made: list[tuple[Block, int, int]] = []
@@ -327,8 +329,6 @@ class BlockStore(CacheTiers):
             assert parent.key == parent_key
             if b is None:
                 b = Block(block_key(parent.key, ids[s:e]), parent, ids[s:e].copy(), s)
-                parent.children[b.key] = b
-                self._blocks[b.key] = b
             if b.kv is None:
                 made.append((b, s, e))
             chain.append(b)
@@ -338,6 +338,11 @@ class BlockStore(CacheTiers):
                 out.append((mx.array(c.keys[..., s:e, :]), mx.array(c.values[..., s:e, :])))
             mx.eval([a for out in copies for a in out[-1]])
             c.keys = c.values = None  # this layer of the extraction goes now
+        # Linked only now: a copy that fails (a memory error) leaves no block in neither tier.
+        for b in chain:
+            if b.parent is not None and b.key not in self._blocks:
+                b.parent.children[b.key] = b
+                self._blocks[b.key] = b
         for (b, _, _), kv in zip(made, copies):
             self._put_ram(b, kv)
         self._touch(chain)
@@ -421,7 +426,7 @@ class BlockStore(CacheTiers):
                 if freed >= nbytes:
                     break
                 if spill and b.file is None:
-                    self._write(b)
+                    self._write(b, protect)  # never by removing the file of a block the caller needs
                 freed += self._drop_ram(b, reason)
         return freed
 
@@ -486,17 +491,20 @@ class BlockStore(CacheTiers):
     def _writing(self) -> frozenset[str]:
         return self.disk.pending_keys() if self.disk is not None else frozenset()
 
-    def _write(self, b: Block) -> None:
+    def _write(self, b: Block, protect: Sequence[Block] = ()) -> None:
         """Queue ``b`` and its ancestors that are not on disk yet, parents first (so what is
-        on disk stays a tree). Stops at the first the disk cannot take."""
+        on disk stays a tree). Stops at the first the disk cannot take. Room on disk is
+        made without removing the files of ``protect``: a spill while a lookup restores
+        or a store extends a chain must not delete that chain's disk-only blocks."""
         if self.disk is None:
             return
         writing = self._writing()
         chain = b.lineage()
+        keep = [*chain, *protect]
         for x in chain:
             if x.file is not None or x.key in writing:
                 continue
-            if x.kv is None or not self._fit_disk(x.nbytes, protect=chain) \
+            if x.kv is None or not self._fit_disk(x.nbytes, protect=keep) \
                     or not self.disk.put(x.key, x.parent.key if x.parent else self.root.key, x.ids, x.kv):
                 return
 
@@ -534,6 +542,10 @@ class BlockStore(CacheTiers):
         """Take in the writes the disk tier finished since the last look."""
         if self.disk is None:
             return
+        # Before the results: the writer publishes a key's result before the key leaves its
+        # pending set, so a spilled key not pending now has its result in hand below (or
+        # had it earlier, when the block was dropped just after that result was taken in).
+        writing = self._writing()
         for key, info in self.disk.written():
             b = self._blocks.get(key)
             spilled = self._spilled.pop(key, None) is not None
@@ -549,6 +561,11 @@ class BlockStore(CacheTiers):
             self._disk_bytes += info.file_bytes
             self.disk_counts["writes"] += 1
             self.disk_counts["written_bytes"] += info.file_bytes
+        for key in [k for k in self._spilled if k not in writing]:
+            del self._spilled[key]
+            b = self._blocks.get(key)
+            if b is not None and b.kv is None and b.file is None:
+                self._forget(b, None)  # in neither tier
 
     def _rebuild(self) -> None:
         """Index what an earlier process left: every file whose parents are all on disk
@@ -598,7 +615,6 @@ class BlockStore(CacheTiers):
                     "bytes": self._disk_bytes, "blocks": len(on_disk),
                     "pending": len(self._writing()), "pending_bytes": self.disk.pending_bytes(),
                     "dropped": self.disk.num_dropped, **self.disk_counts}
-            disk["write_errors"] += self.disk.num_errors
         return {
             "enabled": True, **self.counts.report(), "stores": self.num_stores,
             "skipped_stores": self.num_skipped, "entries": ram_leaves,

@@ -190,6 +190,10 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(entry, "missing")
             return None
+        except OSError as exc:  # EIO, EACCES, a folder in its place: unreadable is as good as gone
+            log.warning("prompt cache: cannot read %s: %s", entry.path.name, exc)
+            self._forget(entry, "missing")
+            return None
         except fmt.CorruptFile as exc:
             log.warning("prompt cache: removing untrusted %s: %s", entry.path.name, exc)
             self._forget(entry, "corrupt")

@@ -204,6 +204,12 @@ def read(path: Path, *, fingerprint: str, ids: np.ndarray) -> list[Any]:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise CorruptFile(f"mlx-lm cannot read it: {exc!r}") from None
+    except RuntimeError:
+        # MLX says "Failed to open file" for a file removed since its checksum was read
+        # (the writer made room, or a replica sharing the folder did): a miss, not a fault.
+        if not path.exists():
+            raise FileNotFoundError(path) from None
+        raise
     stored, _ = check_metadata(metadata, fingerprint)
     if not np.array_equal(stored, ids):
         raise CorruptFile("its token ids changed since it was indexed")

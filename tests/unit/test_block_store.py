@@ -319,6 +319,94 @@ def test_a_block_evicted_while_its_write_is_queued_is_a_miss_until_written(tmp_p
     store.close()
 
 
+def one_block_file_bytes(tmp: Path) -> int:
+    probe = make(tmp)
+    put(probe, seq(B), keep=True)
+    flush(probe)
+    nbytes = probe.report()["tiers"]["disk"]["bytes"]
+    probe.close()
+    return nbytes
+
+
+def test_making_room_in_ram_never_removes_the_file_of_a_block_being_restored(tmp_path: Path) -> None:
+    """RAM for one block, disk for one file: restoring A spills X to disk, and X's file
+    needs A's room on disk. A's file is not removed for it (it was, and an assert in the
+    restore ended the lookup); X is not written."""
+    store = make(tmp_path / "s", max_bytes=B * PER_TOKEN,
+                 disk_bytes=int(1.5 * one_block_file_bytes(tmp_path / "probe")))
+    a = seq(B, 100)
+    put(store, a, keep=True)
+    flush(store)
+    store.evict(10**12, "admission")  # A on disk only
+    put(store, seq(B, 5000))  # X: in RAM only, used after A, the RAM bound reached
+    hit = store.lookup(a + [1], lambda nbytes, tokens: True)
+    assert hit is not None and (hit.kind, hit.tokens) == ("disk", B) and same_as(hit.views, a)
+    store.release(hit)
+    check_invariants(store, pending_ok=True)
+    store.close()
+
+
+def test_making_room_in_ram_never_removes_the_file_of_a_block_being_extended(tmp_path: Path) -> None:
+    """A conversation comes back after its first block went to disk: storing its next turn
+    makes RAM room by spilling an older sequence, whose file needs room on disk. The first
+    block's file stays: the store goes on with a block still in the index (it once went on
+    with a forgotten one, whose bytes the ledger then lost track of)."""
+    store = make(tmp_path / "s", max_bytes=4 * B * PER_TOKEN,
+                 disk_bytes=int(1.5 * one_block_file_bytes(tmp_path / "probe")))
+    a = seq(B, 100)
+    put(store, a, keep=True)
+    flush(store)
+    store.evict(10**12, "admission")  # A on disk only
+    put(store, seq(3 * B, 5000))  # three blocks in RAM only, used after A
+    conversation = a + seq(B, 7000)
+    assert put(store, conversation)
+    check_invariants(store, pending_ok=True)
+    hit = store.lookup(conversation + [1], lambda nbytes, tokens: True)
+    assert hit is not None and hit.tokens == 2 * B and same_as(hit.views, conversation)
+    store.release(hit)
+    flush(store)
+    store.evict(2 * B * PER_TOKEN, "admission")
+    put(store, conversation)
+    check_invariants(store, pending_ok=True)
+    store.close()
+
+
+def test_a_block_file_that_cannot_be_read_is_a_miss_from_there_and_forgotten(tmp_path: Path) -> None:
+    store = make(tmp_path)
+    tokens = seq(2 * B, 100)
+    put(store, tokens, keep=True)
+    flush(store)
+    store.evict(10**12, "admission")
+    second = block_file(tmp_path / FP / "blocks", 100 + B)
+    second.unlink()
+    second.mkdir()  # open() fails with EISDIR: an error other than "no such file", as EIO would
+    for kind in ("disk", "prefix"):  # the first block read back, then found in RAM
+        hit = store.lookup(tokens + [1], lambda nbytes, tokens: True)
+        assert hit is not None and (hit.kind, hit.tokens) == (kind, B)
+        store.release(hit)
+    assert store.report()["tiers"]["disk"]["missing"] == 1 and len(store._blocks) == 1
+    check_invariants(store)
+    store.close()
+
+
+def test_a_write_that_fails_is_counted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tries: list[str] = []
+
+    def disk_full(directory: Path, key: str, *args: Any, **kwargs: Any) -> None:
+        tries.append(key)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bfmt, "write", disk_full)
+    store = make(tmp_path, max_entries=1)
+    put(store, seq(2 * B, 100), keep=True)
+    put(store, seq(2 * B, 9000), keep=True)  # the entry bound spills the first
+    flush(store)
+    check_invariants(store)
+    disk = store.report()["tiers"]["disk"]
+    assert disk["write_errors"] == len(tries) >= 4 and disk["writes"] == 0 and disk["blocks"] == 0
+    store.close()
+
+
 def test_whole_sequence_files_of_an_earlier_version_are_removed(tmp_path: Path) -> None:
     folder = tmp_path / FP
     folder.mkdir(parents=True)
@@ -345,14 +433,20 @@ def check_invariants(store: BlockStore, pending_ok: bool = False) -> None:
     for b in store._blocks.values():
         # A block evicted while its write is queued is in the writer until its file exists.
         assert b.kv is not None or b.file is not None or b.key in pending, "every block is in a tier"
+        assert b.parent is not None and b.parent.children.get(b.key) is b, "every block is reachable"
+    assert all(store._blocks.get(k) is b for k, b in store._ram.items()), "RAM holds indexed blocks only"
+    assert set(store._spilled) <= pending, "a spilled block is one the writer still holds"
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("with_disk", [False, True])
-def test_random_stores_hits_and_evictions_keep_the_ledger_exact(seed: int, with_disk: bool,
+@pytest.mark.parametrize("disk", ["none", "wide", "narrow"])
+def test_random_stores_hits_and_evictions_keep_the_ledger_exact(seed: int, disk: str,
                                                                tmp_path: Path) -> None:
+    """``narrow``: a disk bound of a few blocks, so making room in RAM also removes files."""
     rng = random.Random(seed)
-    store = make(tmp_path if with_disk else None, max_bytes=6 * B * PER_TOKEN, max_entries=2 if with_disk else 4)
+    store = make(tmp_path if disk != "none" else None, max_bytes=6 * B * PER_TOKEN,
+                 max_entries=2 if disk != "none" else 4,
+                 disk_bytes=4 * B * PER_TOKEN if disk == "narrow" else 1 << 30)
     heads = [seq(rng.randrange(20, 2 * B), 100 * i) for i in range(3)]  # shared beginnings
     held = []
     for _ in range(40):

@@ -251,6 +251,37 @@ def test_a_file_removed_by_another_process_is_a_miss(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_a_file_removed_between_its_checksum_and_its_load_is_a_miss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX says "Failed to open file" (a RuntimeError, as an allocation failure is) for a
+    file gone under it: a miss, counted, never a fault."""
+    path = _one_file(tmp_path)
+    tier = DiskTier(tmp_path, FP, 1 << 30)
+    hit = tier.longest_prefix(list(range(1, 11)))
+    checked = disk_format.check_checksum
+
+    def then_removed(p: Path, crc: str) -> None:
+        checked(p, crc)
+        p.unlink()  # the writer made room, or a replica sharing the folder did
+
+    monkeypatch.setattr(disk_format, "check_checksum", then_removed)
+    assert hit is not None and tier.load(hit[1], 10) is None
+    stats = tier.stats()
+    assert stats["missing"] == 1 and stats["corrupt"] == 0 and stats["entries"] == 0
+    tier.close()
+
+
+def test_a_file_that_cannot_be_read_is_a_miss(tmp_path: Path) -> None:
+    path = _one_file(tmp_path)
+    tier = DiskTier(tmp_path, FP, 1 << 30)
+    hit = tier.longest_prefix(list(range(1, 11)))
+    path.unlink()
+    path.mkdir()  # open() fails with EISDIR: an error other than "no such file", as EIO would
+    assert hit is not None and tier.load(hit[1], 10) is None
+    assert tier.stats()["missing"] == 1 and tier.longest_prefix(list(range(1, 11))) is None
+    tier.close()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign_name", "wrong_fingerprint",
                                     "not_ours", "abandoned_tmp"])
 def test_untrusted_files_are_removed_and_counted_at_startup(tmp_path: Path, damage: str) -> None:
