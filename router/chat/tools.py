@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from common.errors import BadRequest
 from router.chat.constraints import guided_schema
 from router.chat.harmony import HarmonyParser
 from router.chat.streamparser import Delta, StreamParser, ToolCall, held_back, new_call_id, scan
@@ -268,8 +269,19 @@ def _markers(template: str, special_id: Any) -> str:
 def _xml_params(tool: Tool, i: int, rules: list[str]) -> str:
     """Qwen3-Coder's parameters: each required one as <parameter=p>JSON</parameter>."""
     props = tool.parameters.get("properties") or {}
+    required = tool.parameters.get("required") or []
+    if not isinstance(props, dict) or not isinstance(required, list) \
+            or not all(isinstance(name, str) for name in required):
+        raise BadRequest(f"tool {tool.name!r}: its parameters' properties must be an object and "
+                         "required a list of their names", param="tools")
     parts = []
-    for j, name in enumerate(tool.parameters.get("required") or []):
-        rules.append(f"p{i}_{j}: %json {guided_schema(props.get(name, {}))}")
-        parts.append(f'"<parameter={name}>\\n" p{i}_{j} "\\n</parameter>\\n"')
+    for j, name in enumerate(required):
+        schema = props.get(name, {})
+        schema = {} if schema is True else schema  # JSON Schema's "anything"
+        if not isinstance(schema, dict):
+            raise BadRequest(f"tool {tool.name!r}: the schema of its parameter {name!r} must be "
+                             "an object", param="tools")
+        rules.append(f"p{i}_{j}: %json {guided_schema(schema)}")
+        tag = json.dumps(f"<parameter={name}>\n")  # a lark string, the name escaped
+        parts.append(f'{tag} p{i}_{j} "\\n</parameter>\\n"')
     return " ".join(parts) or '""'

@@ -77,8 +77,8 @@ def _check_accepted(body: dict[str, Any]) -> None:
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise BadRequest("metadata must be an object", param="metadata")
     thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict)
-                                     and thinking.get("type") in ENABLE_THINKING):
+    if thinking is not None and not (isinstance(thinking, dict) and isinstance(thinking.get("type"), str)
+                                     and thinking["type"] in ENABLE_THINKING):
         raise BadRequest(f"thinking.type must be one of {sorted(ENABLE_THINKING)}",
                          param="thinking")
 
@@ -119,7 +119,7 @@ def _text(block: Any, param: str) -> str:
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
     """One Messages turn as chat messages: tool results become ``tool`` messages first."""
     param = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in MESSAGE_ROLES:
         raise BadRequest(f"{param}.role must be 'user' or 'assistant'", param=f"{param}.role")
     role, content = m["role"], m.get("content")
     if isinstance(content, str):
@@ -134,6 +134,8 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     for j, block in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            raise BadRequest(f"{where} must be a content block with a type", param=where)
         if kind == "text":
             parts.append(_text(block, where))
         elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):

@@ -14,8 +14,9 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +51,27 @@ log = logging.getLogger(__name__)
 # releases the GIL and a huge prompt cannot stall every other stream.
 INLINE_TOKENIZE_CHARS = 2048
 CLIENT_CLOSED_REQUEST = 499
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only a body with one can hold a lone
+# surrogate, which no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value, keys included (iterative: any depth)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def text_chars(value: Any) -> int:
+    return sum(len(s) for s in strings(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +203,19 @@ class Api:
             raise RequestTimeout("the request body did not arrive within "
                                  f"{self.limits.request_timeout_s:g}s (--request-timeout)") from None
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
         except RecursionError:
             raise BadRequest("the request body is nested too deeply") from None
+        if _SURROGATE_ESCAPE.search(raw):
+            for s in strings(body):
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadRequest("the request body has a lone UTF-16 surrogate (\\ud800-\\udfff) "
+                                     "in a string: it is not text") from None
+        return body
 
     def _served(self, name: str) -> Served:
         served = self.fleet.resolve(name)
@@ -250,6 +280,11 @@ class Api:
         """Tokenize, refuse what can never fit, and queue one job per choice (one row each).
         A model not loaded yet is checked against what its last worker published, and again
         by the dispatcher when a worker says hello."""
+        if parsed.num_choices > self.dispatcher.max_queue:
+            # Never queued whole: a 429 would be retried forever.
+            raise BadRequest(f"{parsed.num_choices} choices (prompts x n) are more than the queue "
+                             f"holds ({self.dispatcher.max_queue}, the server's --max-queue)",
+                             param="n" if parsed.n > 1 else "prompt")
         deadline = arrived + self.queue_timeout_s
         tokenizer = await self._tokenizer_for(served, deadline)
         link = self.dispatcher.first_link(served.spec.alias)
@@ -305,9 +340,8 @@ class Api:
                     job.events.put_nowait(TokenEvent([], "length"))
                 else:
                     self.dispatcher.submit(job)
-        except HeadroomError:
-            for job in rows.jobs:
-                self.dispatcher.cancel(job)
+        except BaseException:
+            self.dispatcher.cancel_all(rows.jobs)
             raise
         self.metrics.prompt_tokens.inc(rows.prompt_tokens)
         return rows
@@ -319,8 +353,8 @@ class Api:
         ``wanted``, as its hello said)."""
         if parsed.messages is not None:
             tools = template_tools(parsed)
-            num_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
-            num_chars += len(json.dumps(tools)) if tools else 0
+            # Every string the template may render: content, reasoning, tool calls' arguments.
+            num_chars = text_chars(parsed.messages) + (text_chars(tools) if tools else 0)
 
             def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str, list[int]]:
                 text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
@@ -352,12 +386,18 @@ class Api:
                    endpoint: Endpoint) -> web.StreamResponse:
         tok = rows.tokenizer
         plan = rows.plan
-        shown = await self._shown(parsed, rows)
-        collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
-                                len(job.prompt_ids), i, plan.parser(),
-                                inline_reasoning=not parsed.separate_reasoning, shown=shown[i])
-                      for i, job in enumerate(rows.jobs)]
-        present = endpoint.present(body, parsed, rows, rows.model_id, tok)
+        try:
+            # The jobs are queued already: a client gone during this await (the handler is
+            # cancelled) must not leave their rows running, nor free their id for reuse.
+            shown = await self._shown(parsed, rows)
+            collectors = [Collector(tok.make_detokenizer(plan.keep_markers), parsed.stop,
+                                    len(job.prompt_ids), i, plan.parser(),
+                                    inline_reasoning=not parsed.separate_reasoning, shown=shown[i])
+                          for i, job in enumerate(rows.jobs)]
+            present = endpoint.present(body, parsed, rows, rows.model_id, tok)
+        except BaseException:
+            self.dispatcher.cancel_all(rows.jobs)
+            raise
         self.num_in_flight += 1
         try:
             if parsed.stream:
@@ -372,9 +412,9 @@ class Api:
             return await self.respond.collect(rows, collectors, present)
         finally:
             self.num_in_flight -= 1
-            for job, collector in zip(rows.jobs, collectors):
-                client_left = job.state is not JobState.DONE
-                self.dispatcher.cancel(job)  # no-op when done; frees the row when the client left
+            left = [job.state is not JobState.DONE for job in rows.jobs]
+            self.dispatcher.cancel_all(rows.jobs)  # no-op when done; frees the rows when the client left
+            for job, collector, client_left in zip(rows.jobs, collectors, left):
                 self._observe(job, collector, client_left)
 
     async def _shown(self, parsed: Parsed, rows: Rows) -> list[Shown | None]:

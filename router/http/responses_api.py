@@ -83,8 +83,10 @@ def input_to_messages(items: Any) -> list[dict[str, Any]]:
             messages.append(_call_output(item, param))
         elif kind == "reasoning":
             # Only its text can be replayed (encrypted_content is OpenAI's); the template decides
-            reasoning += [p["text"] for p in item.get("content") or ()
-                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise BadRequest(f"{param}.content must be a list of parts", param=f"{param}.content")
+            reasoning += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
             continue
         else:
             raise BadRequest(f"{param}: {kind!r} items are not supported", param=f"{param}.type")
@@ -96,7 +98,7 @@ def input_to_messages(items: Any) -> list[dict[str, Any]]:
 
 def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in INPUT_ROLES:
+    if not isinstance(role, str) or role not in INPUT_ROLES:
         raise BadRequest(f"{param}.role must be one of {sorted(INPUT_ROLES)}", param=f"{param}.role")
     content = item.get("content")
     if isinstance(content, str):
@@ -105,7 +107,7 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise BadRequest(f"{param}.content must be a string or a list of parts", param=f"{param}.content")
     parts = []
     for j, part in enumerate(content):
-        is_text = isinstance(part, dict) and part.get("type") in TEXT_PARTS
+        is_text = isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] in TEXT_PARTS
         text = part.get("text", part.get("refusal")) if is_text else None
         if not isinstance(text, str):
             where = f"{param}.content[{j}]"
@@ -133,7 +135,8 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
 def _call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
     output = item.get("output")
     if isinstance(output, list):  # a list of output parts: keep their text
-        output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+        texts = [p.get("text", "") for p in output if isinstance(p, dict)]
+        output = "".join(texts) if all(isinstance(t, str) for t in texts) else None
     if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
         raise BadRequest(f"{param}: a function_call_output needs a call_id and an output string",
                          param=param)

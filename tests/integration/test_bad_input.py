@@ -61,6 +61,11 @@ def assert_error(resp: httpx.Response, status: int, code: str, param: str | None
     (CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": USER, "echo": True}, "echo"),
+    # More rows than the queue holds (64 prompts x n 8 > 256): once a 429 retried forever.
+    (COMPLETIONS, {"prompt": ["hi"] * 64, "n": 8, "max_tokens": 1}, "n"),
+    # A lone UTF-16 surrogate is no text any tokenizer encodes (once a 500).
+    (COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', None),
 ])
 def test_bad_input_is_a_400_naming_the_parameter(router: Router, path: str, body: Any,
                                                  param: str | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
 import time
@@ -86,3 +87,24 @@ def test_queued_request_that_leaves_never_reaches_the_worker(fresh_router: Calla
     assert metric(router, "headroom_dispatched_requests_total") == dispatched
     ok = router.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_gone_while_its_answer_is_prepared_frees_its_rows_and_its_id(router: Router) -> None:
+    """Echo with logprobs over 2,048 prompt tokens: the router works out the echoed text's
+    token offsets on its thread pool once the rows are queued. A client gone during that
+    await (its handler cancelled) once left its row running with no one to cancel it, and
+    its request id free: a later request with that id then collided with the row."""
+    rng = random.Random(7)
+    body = json.dumps({"prompt": [rng.randrange(3, 500) for _ in range(2100)], "echo": True,
+                       "logprobs": 1, "max_tokens": 50, "ignore_eos": True}).encode()
+    for attempt in range(8):
+        with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-Id: gone-early\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(attempt / 1000)  # gone 0-7 ms after sending: across that await
+        # A row left running would prefill and decode for tens of seconds here.
+        wait_until(lambda: running(router) == 0 and router.health().get("queued") == 0, 10,
+                   f"attempt {attempt}'s row to be cancelled", on_fail=router.log)
+    ok = router.http.post("/v1/completions", headers={"X-Request-Id": "gone-early"},
+                          json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text

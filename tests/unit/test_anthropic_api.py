@@ -121,6 +121,11 @@ def test_output_config_json_schema_is_a_response_format() -> None:
     (body(tools=[{"name": "f"}]), "tools[0]"),
     (body(tool_choice={"type": "tool"}), "tool_choice"),
     (body(output_config={"format": {"type": "xml"}}), "output_config.format"),
+    # Values that cannot be looked up in a set (once a 500):
+    (body(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role"),
+    (body(thinking={"type": []}), "thinking"),
+    (body(messages=[{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]),
+     "messages[0].content[0]"),
 ])
 def test_bad_input_names_the_anthropic_parameter(b: dict[str, Any], param: str) -> None:
     assert refused(b).param == param

@@ -245,3 +245,23 @@ def test_a_worker_s_never_fits_shrinks_a_room_left_default(dispatcher: tuple[Dis
     d._handle(b"w7", Reject(incarnation=7, request_id="r1", reason=RejectReason.NEVER_FITS,
                             message="no", needed_bytes=10, max_request_tokens=5))
     assert isinstance(job.events.get_nowait(), InsufficientMemory)  # no smaller room: its 400
+
+
+def test_cancelling_a_request_s_rows_sends_none_of_its_queued_rows(dispatcher: tuple[Dispatcher, Clock]) -> None:
+    """Four rows run (the worker's room), four wait: cancelling the request frees all eight
+    and sends the worker nothing but four cancels (a pump per row once sent each waiting
+    row only to cancel it the next moment)."""
+    from common.protocol import Cancel, Generate
+
+    d, _ = dispatcher
+    d._handle(b"w7", _status(7))
+    jobs = [_job(f"r#{i}") for i in range(8)]
+    for job in jobs:
+        d.submit(job)
+    assert [j.state for j in jobs] == [JobState.RUNNING] * 4 + [JobState.QUEUED] * 4
+    d.sent.clear()  # type: ignore[attr-defined]
+    d.cancel_all(jobs)
+    assert all(j.state is JobState.DONE for j in jobs) and d.num_queued("m") == 0
+    sent = [msg for _, msg in d.sent]  # type: ignore[attr-defined]
+    assert not any(isinstance(m, Generate) for m in sent)
+    assert sorted(m.request_id for m in sent if isinstance(m, Cancel)) == [f"r#{i}" for i in range(4)]

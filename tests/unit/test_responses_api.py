@@ -108,6 +108,11 @@ def test_text_format_json_schema_is_a_response_format() -> None:
     (body(tool_choice={"type": "web_search"}), "tool_choice"),
     (body(text={"format": {"type": "json_schema"}}), "text.format"),
     (body(instructions=["x"]), "instructions"),
+    # Values of the wrong type (once a 500):
+    (body(input=[{"role": ["user"], "content": "x"}]), "input[0].role"),
+    (body(input=[{"role": "user", "content": [{"type": {}, "text": "x"}]}]), "input[0].content[0]"),
+    (body(input=[{"type": "function_call_output", "call_id": "c", "output": [{"text": 5}]}]), "input[0]"),
+    (body(input=[{"type": "reasoning", "content": 5}]), "input[0].content"),
 ])
 def test_bad_input_names_the_responses_parameter(b: dict[str, Any], param: str) -> None:
     assert refused(b).param == param

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from common.errors import BadRequest
 from router.chat.constraints import lark_grammar
 from router.chat.tools import FORMATS, Delta, call_grammar, detect_format, make_parser
 from router.chat.toolspec import Tool, ToolChoice
@@ -137,6 +138,25 @@ def test_call_grammars_validate(fmt: str, choice: ToolChoice) -> None:
     assert ("call1" in lark) == (choice.mode == "required")
     if fmt == "harmony":
         assert "<[1]>" in lark and '"<|channel|>"' not in lark
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"a": "str"}, "required": ["a"]},
+    {"type": "object", "properties": {"a": 5}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {}}, "required": [{"x": 1}]},
+    {"type": "object", "properties": "a", "required": ["a"]},
+])
+def test_qwen3_coder_parameters_that_are_not_schemas_are_a_400(parameters: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest) as info:
+        call_grammar("qwen3_coder", [Tool("f", parameters=parameters)], ToolChoice("required"))
+    assert info.value.param == "tools"
+
+
+def test_qwen3_coder_parameter_names_are_escaped_in_its_grammar() -> None:
+    name = 'say "hi"\\n'
+    tool = Tool("f", parameters={"type": "object", "properties": {name: True}, "required": [name]})
+    lark = call_grammar("qwen3_coder", [tool], ToolChoice("required"))
+    assert lark_grammar(lark, "tool_choice") and json.dumps(f"<parameter={name}>\n") in lark
 
 
 def test_the_flag_lists_every_family() -> None:
