@@ -204,16 +204,20 @@ def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int, *, sco
     prefill chunk the worker would use (an idle worker that is short of memory prefills a
     long prompt in small chunks rather than refuse it).
 
-    ``scoring`` (prompt logprobs): that chunk is a scoring chunk, and the row is as long
-    as ``scored_reach_tokens`` says."""
+    ``scoring`` (prompt logprobs): no prefill chunk but a scoring chunk, beside the row's
+    decode once it joined, and the row is as long as ``scored_reach_tokens`` says: what
+    ``fits_now`` charges an idle worker, so that what passes here is admitted there."""
     total = prompt_tokens + max_tokens
-    chunk = min(max(prompt_tokens, 1), MIN_CHUNK_TOKENS, m.prefill_step_tokens)
     if scoring:
         total = scored_reach_tokens(prompt_tokens, max_tokens)
-        forward = scoring_transient_bytes(m, chunk, prompt_tokens)
-    else:
-        forward = forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
-                                          prefill_rows=1, decode_rows=0, decode_context=0)
+        decode = forward_transient_bytes(m, chunk_tokens=0, context_tokens=0, prefill_rows=0,
+                                         decode_rows=1, decode_context=total)
+        return int(m.scale * (batch_kv_bytes(1, total, m.kv_bytes_per_token) + decode
+                              + growth_spike_bytes(m, 1, total))) \
+            + scoring_step_bytes(m, min(MIN_CHUNK_TOKENS, prompt_tokens), prompt_tokens)
+    chunk = min(max(prompt_tokens, 1), MIN_CHUNK_TOKENS, m.prefill_step_tokens)
+    forward = forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
+                                      prefill_rows=1, decode_rows=0, decode_context=0)
     return int(m.scale * (batch_kv_bytes(1, total, m.kv_bytes_per_token) + forward
                           + growth_spike_bytes(m, 1, total)))
 
@@ -356,7 +360,7 @@ def chunk_that_fits(m: CostModel, rows: int, longest_tokens: int, prefill_rows: 
 
 def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_tokens: int,
              prefill_rows: int, free_bytes: int, score_context: int = 0, *,
-             joining_bytes: int = 0, own_join_bytes: int = 0) -> tuple[bool, int]:
+             joining_bytes: int = 0, own_join_bytes: int = 0, scoring: bool = False) -> tuple[bool, int]:
     """Can a request join the running batch now? Returns (fits, the batch's new worst case).
 
     The batch's worst case is charged in the real padded shape: every row as long as the
@@ -371,7 +375,9 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     the same for this request's own hit. A row joining from a hit of several blocks holds
     their concatenation beside its own copy for that step: promised with the batch until
     it has joined (on the demo model under 160 MB a conversation's first cached turn passed
-    the limit when only the step's chunk was sized to it).
+    the limit when only the step's chunk was sized to it). ``scoring``: this request's
+    prompt is scored (``score_context`` covers it) and its row joins from that KV with
+    nothing to prefill, so it adds no prefill row.
     """
     total = prompt_tokens + max_tokens
     old_worst = joining_bytes
@@ -384,8 +390,9 @@ def fits_now(m: CostModel, running_totals: list[int], prompt_tokens: int, max_to
     room = min(m.budget_bytes, old_worst + max(free_bytes, 0))
     score = scoring_step_bytes(m, min(MIN_CHUNK_TOKENS, score_context), score_context)
     joins = joining_bytes + own_join_bytes
-    chunk = chunk_that_fits(m, rows, longest, prefill_rows + 1, context, room - score - joins,
+    prefilling = prefill_rows + (0 if scoring else 1)
+    chunk = chunk_that_fits(m, rows, longest, prefilling, context, room - score - joins,
                             min(max(prompt_tokens, 1), m.prefill_step_tokens))
-    new_worst = batch_cost_bytes(m, rows, longest, chunk, prefill_rows + 1, context) + score + joins
+    new_worst = batch_cost_bytes(m, rows, longest, chunk, prefilling, context) + score + joins
     fits = new_worst <= m.budget_bytes and new_worst - old_worst <= free_bytes
     return fits, new_worst

@@ -12,6 +12,7 @@ EngineCoreProc does around its EngineCore; memory decisions are the gate's
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -144,7 +145,7 @@ class WorkerCore:
     def handle(self, msg: Message) -> list[Message]:
         """A message from the router; what to send back (a refusal, at once)."""
         if isinstance(msg, Generate):
-            self.admit(msg)
+            self._admit_guarded(msg)
         elif isinstance(msg, Cancel):
             self.cancel(msg.request_id)
         elif isinstance(msg, Trim):
@@ -152,6 +153,26 @@ class WorkerCore:
         elif isinstance(msg, Limit):
             self.set_limit(msg.limit_bytes)
         return self._take()
+
+    def _admit_guarded(self, msg: Generate, compiled: Future[Any] | None = None) -> None:
+        try:
+            self.admit(msg, compiled)
+        except Exception as exc:  # one request's failure to start is its own, never the worker's
+            self._admit_failed(msg, exc)
+
+    def _admit_failed(self, msg: Generate, exc: Exception) -> None:
+        """An admission that raised (a value the decoder let through, a memory error while
+        a cached prefix was read back): whatever of it started goes, and it is refused,
+        to be queued again when memory ran out, else for good."""
+        self.cancel(msg.request_id)
+        if is_memory_error(exc):
+            log.warning("could not admit (%s); re-queued", exc, extra=about(msg.request_id))
+            self.memory.probe.clear_cache()
+            self._out.append(self._reject(msg, RejectReason.NOT_NOW, f"no room now: {exc}"))
+            return
+        log.error("could not admit: %s: %s", type(exc).__name__, exc, exc_info=True, extra=about(msg.request_id))
+        self._out.append(self._reject(msg, RejectReason.REQUEST_FAILED,
+                                      f"the request could not start: {type(exc).__name__}: {exc}"))
 
     def cancel(self, request_id: str) -> None:
         self._admitted_at.pop(request_id, None)  # no first output will come for it
@@ -190,7 +211,7 @@ class WorkerCore:
         for request_id, (msg, compiled, deadline) in list(self._compiling.items()):
             if compiled.done():
                 del self._compiling[request_id]
-                self.admit(msg, compiled)
+                self._admit_guarded(msg, compiled)
             elif now > deadline:
                 del self._compiling[request_id]
                 self._out.append(self._reject(msg, RejectReason.BAD_GRAMMAR,
@@ -257,7 +278,7 @@ class WorkerCore:
             return
         try:  # its sampler and processors are built here: a failure is this request's own
             self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
-                            sampling=msg.sampling, hit=hit, boundaries=msg.boundaries)
+                            sampling=msg.sampling, hit=hit, boundaries=msg.boundaries, compiled=compiled)
         except Exception as exc:
             if hit is not None and self.cache is not None:
                 self.cache.release(hit)
@@ -296,9 +317,18 @@ class WorkerCore:
                 or msg.request_id in self._compiling:
             return self._reject(msg, RejectReason.BAD_REQUEST,
                                 "empty prompt, bad max_tokens or prompt_logprobs, or duplicate id")
+        s = msg.sampling
+        if any(len(pair) != 2 for pair in s.logit_bias):
+            return self._reject(msg, RejectReason.BAD_REQUEST, "logit_bias entries must be [token_id, bias]")
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= vocab \
-                or any(not 0 <= t < vocab for t, _ in msg.sampling.logit_bias):
+                or any(not 0 <= t < vocab for t, _ in s.logit_bias):
             return self._reject(msg, RejectReason.BAD_REQUEST, f"token ids must be in [0, {vocab})")
+        # Values the router never sends: mlx-lm's compiled samplers raise on some of them
+        # while tracing, which leaves MLX's global random state unusable for every row after.
+        if not (0.0 <= s.temperature < math.inf and 0.0 < s.top_p <= 1.0 and 0.0 <= s.min_p <= 1.0
+                and s.top_k >= 0):
+            return self._reject(msg, RejectReason.BAD_REQUEST,
+                                "temperature, top_p, min_p or top_k out of range")
         return None
 
     def _reject(self, msg: Generate, reason: RejectReason, text: str, needed: int = 0) -> Reject:
@@ -433,10 +463,14 @@ class WorkerCore:
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
-            self._guard()
         except Exception as exc:
             self.gate.end_step()
             return self._failed(exc)
+        try:
+            self._guard()
+        except Exception as exc:  # the step's outputs are sent: rows it finished are out of the batch
+            self.gate.end_step()
+            return outputs + self._failed(exc)
         elapsed = time.perf_counter() - started
         self.gate.end_step()
         self.timing.steps += 1

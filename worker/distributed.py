@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgpack
@@ -105,12 +106,12 @@ class LockstepEngine(Engine):
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
             sampling: SamplingParams = SamplingParams(), hit: Reuse | None = None,
-            boundaries: list[int] | None = None) -> None:
+            boundaries: list[int] | None = None, compiled: Future[Any] | None = None) -> None:
         if hit is not None:
             raise LockstepError("the prefix cache is not supported over a distributed group")
         sampling = with_seed(sampling)
         super().add(request_id, prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                    boundaries=boundaries)
+                    boundaries=boundaries, compiled=compiled)
         self._ops.append(Add(request_id, list(prompt_ids), max_tokens, sampling, list(boundaries or [])))
 
     def cancel(self, request_id: str) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,12 +163,13 @@ class Engine:
 
     def add(self, request_id: str, prompt_ids: list[int], *, max_tokens: int,
             sampling: SamplingParams = SamplingParams(), hit: Reuse | None = None,
-            boundaries: list[int] | None = None) -> None:
+            boundaries: list[int] | None = None, compiled: Future[Any] | None = None) -> None:
         """Insert a request; with ``hit``, its first ``hit.tokens`` come from the cache.
         ``boundaries`` (message ends) cut the rest into segments whose KV is stored. One
-        that asks for prompt logprobs is scored first (``_score``)."""
+        that asks for prompt logprobs is scored first (``_score``). ``compiled``: its
+        grammar, as the admission waited for it."""
         row = RowArgs(self.failures.sampler(request_id, make_sampler(sampling)),
-                      self.failures.processors(request_id, make_processors(sampling, self.grammars)),
+                      self.failures.processors(request_id, make_processors(sampling, self.grammars, compiled)),
                       self._no_eos if sampling.ignore_eos else self._eos)
         if sampling.prompt_logprobs is not None:
             scorer = PromptScorer(self.generator.model, prompt_ids, sampling.prompt_logprobs)
@@ -270,6 +272,11 @@ class Engine:
         failed = self.failures.take()
         outputs: list[Output] = []
         wanted: list[tuple[Any, int, int]] = []
+        # Finished rows leave ``running`` only once nothing of this step can raise: after a
+        # memory error (the logprobs' evaluation) the core fails what is still running, so
+        # a row taken out before it would have its end never sent.
+        ended: list[Running] = [r for o in scored if o.finish_reason is not None
+                                and (r := self.running.get(o.request_id)) is not None]
         for r in responses:
             run = self._by_uid.get(r.uid)
             if run is not None and run.request_id in failed:
@@ -289,8 +296,7 @@ class Engine:
             # The EOS token ends the stream but is not part of the text.
             ids = [] if r.finish_reason == "stop" else [r.token]
             if r.finish_reason is not None:
-                del self._by_uid[r.uid]
-                del self.running[run.request_id]
+                ended.append(run)
             if run.num_logprobs is not None and ids:
                 wanted.append((r.logprobs, r.token, run.num_logprobs))
             outputs.append(Output(run.request_id, ids, r.finish_reason,
@@ -299,6 +305,9 @@ class Engine:
         for out, row in zip((o for o in outputs if o.logprobs is not None and o.token_ids),
                             logprob_rows(wanted)):
             out.logprobs.append(row)
+        for run in ended:
+            self._by_uid.pop(run.uid, None)
+            del self.running[run.request_id]
         for request_id, cause in failed.items():
             if request_id in self.running:
                 self.cancel(request_id)  # its row leaves the batch; the others go on
@@ -336,8 +345,7 @@ class Engine:
         if scorer.left:
             return []
         # Its prompt's scores go out now; its KV joins in the next step, charged until it has.
-        if run.max_tokens == 0:
-            del self.running[run.request_id]
+        if run.max_tokens == 0:  # done: ``step`` takes it out of ``running``
             run.scorer = None
             return [Output(run.request_id, [], "length", cached_tokens=0, prompt_logprobs=scorer.rows)]
         self._join(run, scorer)

@@ -322,12 +322,12 @@ class MemoryGate:
         if scoring:
             reach = costmodel.scored_reach_tokens(prompt_tokens, max_tokens) - prompt_tokens
         score = max(view.scoring_tokens, prompt_tokens if scoring else 0)
-        fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
+        fits, worst = self._fits(view, prompt_tokens, reach, score, reuse, scoring)
         last = self.memory.last
         if not fits and last is not None and last.cache_bytes > 0:
             # The buffer cache is reclaimable, not lost: clear it before saying "no room".
             self.memory.probe.clear_cache()
-            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
+            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse, scoring)
         old_worst = costmodel.batch_cost_bytes(m, view.rows, view.longest, 0, 0, 0) + view.joining_assembled_bytes
         cold = False
         while not fits and (worst <= m.budget_bytes or reuse is not None):
@@ -340,13 +340,13 @@ class MemoryGate:
                 # overhang (kv_reach_tokens) alone passes. It lets go and runs cold.
                 self.cache.release(reuse)
                 reuse, cold, reach = None, True, max_tokens
-                fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
+                fits, worst = self._fits(view, prompt_tokens, reach, score, reuse, scoring)
                 continue
             # Cached prompts no request holds go before any request waits for memory (only
             # when giving them back is enough: otherwise the request waits for running rows).
             if not 0 < shortfall <= evictable or self.cache.evict(shortfall, "admission") <= 0:
                 break
-            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse)
+            fits, worst = self._fits(view, prompt_tokens, reach, score, reuse, scoring)
         if not fits:
             self._hurry_writer()
             return Decision(RejectReason.NOT_NOW, "no room now", worst, cold=cold)
@@ -406,11 +406,12 @@ class MemoryGate:
             self._follow_device()
 
     def _fits(self, view: EngineView, prompt_tokens: int, max_tokens: int,
-              score_context: int = 0, reuse: Any = None) -> tuple[bool, int]:
+              score_context: int = 0, reuse: Any = None, scoring: bool = False) -> tuple[bool, int]:
         return costmodel.fits_now(self.model, view.running_totals, prompt_tokens, max_tokens,
                                   view.prefilling, self.free_bytes(), score_context,
                                   joining_bytes=view.joining_assembled_bytes,
-                                  own_join_bytes=reuse.assembled_bytes if reuse is not None else 0)
+                                  own_join_bytes=reuse.assembled_bytes if reuse is not None else 0,
+                                  scoring=scoring)
 
     def allocated_bytes(self) -> int:
         """What running rows already hold above weights, baseline and the prefix cache."""

@@ -85,8 +85,11 @@ class GrammarCompiler:
         exc = compiled.exception()
         return None if exc is None else f"{type(exc).__name__}: {exc}"
 
-    def processor(self, grammar: str) -> GrammarProcessor:
-        return GrammarProcessor(self.compile(grammar), self._eos)
+    def processor(self, grammar: str, compiled: Future[LLMatcher] | None = None) -> GrammarProcessor:
+        """``compiled``: the compile an admission already waited for. Looked up again, it
+        may have left the cache meanwhile, and a new compile queued behind others would
+        be waited for inside a step, the whole batch with it."""
+        return GrammarProcessor(compiled if compiled is not None else self.compile(grammar), self._eos)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

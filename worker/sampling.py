@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
@@ -58,9 +59,11 @@ def make_sampler(p: SamplingParams) -> Sampler | None:
     return sample
 
 
-def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None) -> list[LogitsProcessor]:
+def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None,
+                    compiled: Future[Any] | None = None) -> list[LogitsProcessor]:
     """Logit bias and the three penalties, each over its own window of recent tokens, then
-    the row's grammar (last, so nothing can lift a token it forbids)."""
+    the row's grammar (last, so nothing can lift a token it forbids): ``compiled``, when
+    the admission waited for it."""
     processors = make_logits_processors(
         logit_bias={int(t): float(b) for t, b in p.logit_bias} or None,
         repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
@@ -73,7 +76,7 @@ def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None) 
     if p.grammar is not None:
         if grammars is None:
             raise ValueError("this worker has no grammar compiler")
-        processors.append(grammars.processor(p.grammar))
+        processors.append(grammars.processor(p.grammar, compiled))
     return processors
 
 

@@ -2,7 +2,8 @@
 raises mid-run, for requests the test marks, or (``llguidance``) a grammar library that
 cannot build any grammar, as an llguidance older than ours failed on our EOS list. Run as
 ``python -m tests.integration.faulty_worker grammar|sampler|sampler_start|llguidance|loop <args>``
-(``loop``: admitting a request whose prompt starts with POISON_TOKEN raises, outside any step).
+(``loop``: handling the frame of a request whose prompt starts with POISON_TOKEN raises,
+outside any step).
 
 The product has no fault flag: the double replaces the one callable the engine builds for
 a marked row (a grammar naming ``POISON``, or a sampler seeded with ``POISON_SEED``), so
@@ -22,17 +23,17 @@ FAULT_AT_CALL = {"grammar": 3, "sampler": 1, "sampler_start": 0}
 
 
 def install(kind: str) -> None:
-    if kind == "loop":  # a bug in the loop outside any step: admitting a marked prompt raises
+    if kind == "loop":  # a bug in the loop outside any step: handling a marked prompt's frame raises
         from worker import core
 
-        real_admit = core.WorkerCore.admit
+        real_handle = core.WorkerCore.handle
 
-        def admit(self: core.WorkerCore, msg: Any, compiled: Any = None) -> None:
-            if msg.prompt_ids[:1] == [POISON_TOKEN]:
+        def handle(self: core.WorkerCore, msg: Any) -> Any:
+            if getattr(msg, "prompt_ids", [])[:1] == [POISON_TOKEN]:
                 raise RuntimeError("injected fault in the worker's loop")
-            real_admit(self, msg, compiled)
+            return real_handle(self, msg)
 
-        core.WorkerCore.admit = admit  # type: ignore[method-assign]
+        core.WorkerCore.handle = handle  # type: ignore[method-assign]
         return
     if kind == "llguidance":
         from worker import grammar
@@ -57,10 +58,11 @@ def install(kind: str) -> None:
 
         real_processor = grammar.GrammarCompiler.processor
 
-        def processor(self: grammar.GrammarCompiler, text: str) -> grammar.GrammarProcessor:
+        def processor(self: grammar.GrammarCompiler, text: str,
+                      compiled: Any = None) -> grammar.GrammarProcessor:
             if POISON in text:
-                return FaultyGrammar(self.compile(text), self._eos)
-            return real_processor(self, text)
+                return FaultyGrammar(compiled or self.compile(text), self._eos)
+            return real_processor(self, text, compiled)
 
         grammar.GrammarCompiler.processor = processor  # type: ignore[method-assign]
     else:

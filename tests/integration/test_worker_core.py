@@ -222,3 +222,115 @@ def test_a_fault_inside_the_prompt_cache_costs_that_request_its_reuse_and_nothin
     assert done == {"beside": 6, "poisoned": 6} and not core.broken
     # Its lookup and its store failed; the row beside it was stored as usual.
     assert faulty.report()["faults"] == 2 and faulty.report()["stores"] == 1
+
+
+def finishes(messages: list[Message]) -> dict[str, str]:
+    return {row.request_id: str(row.finish_reason) for m in messages if m.type == "tokens"
+            for row in m.outputs if row.finish_reason is not None}  # type: ignore[attr-defined]
+
+
+def test_a_row_that_finishes_in_a_step_the_oom_guard_fails_still_ends(loaded: object,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step in which "short" reaches max_tokens peaks above the limit (--oom-guard
+    raise): the running rows fail, and "short" ends as it finished. Its end was once thrown
+    away with the step's outputs, after it had left the batch: its client waited for good."""
+    from dataclasses import replace
+
+    core, probe, _ = make_core(loaded, kv_bytes_per_token=4096)
+    core.opts = replace(core.opts, oom_guard="raise")
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    core.handle(Generate(incarnation=1, request_id="short", prompt_ids=[5 + i for i in range(12)],
+                         max_tokens=2, sampling=greedy))
+    core.handle(Generate(incarnation=1, request_id="long", prompt_ids=[5 + i for i in range(20)],
+                         max_tokens=50, sampling=greedy))
+    ended: dict[str, str] = {}
+    for _ in range(20):
+        run = core.engine.running.get("short")
+        if run is not None and run.decoding and run.generated + 1 >= run.max_tokens:
+            monkeypatch.setattr(FakeProbe, "step_peak", lambda self: self.limit_bytes + 1)
+        ended.update(finishes(core.step()))
+        monkeypatch.undo()
+        if ended:
+            break
+    assert ended == {"short": "length", "long": "error"} and not core.engine.running
+
+
+def test_an_admitted_grammar_is_the_compile_its_admission_waited_for(loaded: object) -> None:
+    """A's grammar waits to compile behind a slow one; meanwhile other grammars push it out
+    of the compiler's cache. Once it compiled, A is admitted with that compile: looked up
+    again it was compiled anew, queued behind whatever else was compiling, and waited for
+    inside the step, the whole batch with it."""
+    import json
+    import threading
+
+    from worker.shape import make_grammars
+
+    core, _, _ = make_core(loaded, kv_bytes_per_token=4096)
+    core.engine.grammars = grammars = make_grammars(loaded)  # type: ignore[arg-type]
+    ahead = threading.Event()
+    grammars._pool.submit(ahead.wait, 30)
+    grammar = json.dumps({"grammars": [{"json_schema": {
+        "type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}}]})
+    core.handle(Generate(incarnation=1, request_id="A", prompt_ids=[5 + i for i in range(12)], max_tokens=3,
+                         sampling=SamplingParams(temperature=0, grammar=grammar)))
+    checked = core._compiling["A"][1]
+    grammars._compiled.clear()  # as 64 other grammars would
+    ahead.set()
+    checked.result(timeout=30)
+    behind = threading.Event()
+    grammars._pool.submit(behind.wait, 5)  # another slow compile, queued after A's
+    try:
+        first = [row.request_id for m in core.step() if m.type == "tokens"
+                 for row in m.outputs if row.token_ids]  # type: ignore[attr-defined]
+        assert first == ["A"] and grammar not in grammars._compiled  # not compiled again
+    finally:
+        behind.set()
+        grammars.close()
+
+
+def run_to_end(core: WorkerCore, request_id: str) -> str | None:
+    ended: dict[str, str] = {}
+    for _ in range(50):
+        ended.update(finishes(core.step()))
+        if request_id in ended:
+            break
+    return ended.get(request_id)
+
+
+@pytest.mark.parametrize("sampling", [
+    {"logit_bias": [[5.0]]}, {"logit_bias": [[5, 1, 2]]}, {"temperature": 1.0, "min_p": 2.0},
+    {"temperature": 1.0, "top_p": 0.0}, {"temperature": float("nan")}, {"top_k": -1},
+])
+def test_values_the_router_never_sends_are_refused_and_cost_no_one(loaded: object, sampling: dict[str, Any]) -> None:
+    """Frames pass the decoder's type checks with values out of range: refused as bad
+    requests. A logit_bias pair of one value once raised out of the socket loop (the worker
+    exited), and a min_p above 1 left MLX's random state unusable for every later row."""
+    from common.protocol import RejectReason
+
+    core, _, _ = make_core(loaded)
+    out = core.handle(Generate(incarnation=1, request_id="odd", prompt_ids=[5, 6, 7], max_tokens=3,
+                               sampling=SamplingParams(**sampling)))
+    assert [(m.type, m.reason) for m in out] == [("reject", RejectReason.BAD_REQUEST)]  # type: ignore[attr-defined]
+    core.handle(Generate(incarnation=1, request_id="next", prompt_ids=[5, 6, 7], max_tokens=3,
+                         sampling=SamplingParams(temperature=1.0, ignore_eos=True)))
+    assert run_to_end(core, "next") == "length" and not core.broken
+
+
+def test_an_admission_that_raises_refuses_that_request_alone(loaded: object,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.protocol import RejectReason
+
+    core, _, _ = make_core(loaded)
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    core.handle(Generate(incarnation=1, request_id="running", prompt_ids=[5, 6, 7], max_tokens=4, sampling=greedy))
+    real = core.gate.can_admit
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(core.gate, "can_admit", real)
+        raise RuntimeError("a bug in one admission")
+
+    monkeypatch.setattr(core.gate, "can_admit", fails_once)
+    out = core.handle(Generate(incarnation=1, request_id="bad", prompt_ids=[8, 9], max_tokens=4, sampling=greedy))
+    assert [(m.type, m.reason) for m in out] == [("reject", RejectReason.REQUEST_FAILED)]  # type: ignore[attr-defined]
+    assert "bad" not in core.engine.running
+    assert run_to_end(core, "running") == "length" and not core.broken

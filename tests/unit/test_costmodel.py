@@ -251,6 +251,22 @@ def test_never_fits_agrees_with_max_request_tokens(m: CostModel, data: st.DataOb
         assert never_fits(m, limit, 1)
 
 
+@FAST
+@given(m=models, data=st.data(), scoring=st.booleans())
+def test_an_idle_worker_admits_exactly_what_never_fits_lets_through(m: CostModel, data: st.DataObject,
+                                                                   scoring: bool) -> None:
+    """The router's 400 and the worker's "never" are one question; the idle worker's
+    "now" must answer it alike, or a request between them waits for a room that never
+    comes (a scored prompt once was: its admission charged a prefill chunk it never runs)."""
+    total = data.draw(st.integers(1, m.context_length))
+    out = data.draw(st.integers(1, total))
+    prompt = total - out
+    # As the gate asks it: a scored row is charged as long as its scoring makes it.
+    reach = scored_reach_tokens(prompt, out) - prompt if scoring else out
+    fits, worst = fits_now(m, [], prompt, reach, 0, m.budget_bytes, prompt if scoring else 0, scoring=scoring)
+    assert fits == (not never_fits(m, prompt, out, scoring=scoring)), (worst, m.budget_bytes)
+
+
 # -- prefill chunk -------------------------------------------------------------------
 
 
