@@ -467,7 +467,9 @@ class WorkerCore:
             self.gate.end_step()
             return self._failed(exc)
         try:
-            self._guard()
+            self._guard(f"a step of {view.rows} rows ({view.prefill_rows} prefilling, chunk "
+                        f"{self.chunk_tokens}, scoring {score_tokens}), longest {view.longest} tokens, "
+                        f"predicted {predicted} B over the idle and the prompt cache")
         except Exception as exc:  # the step's outputs are sent: rows it finished are out of the batch
             self.gate.end_step()
             return outputs + self._failed(exc)
@@ -493,7 +495,7 @@ class WorkerCore:
         failure: Exception | None = None
         try:
             self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
-            self._guard()
+            self._guard("the prompt cache's store after a step")
         except Exception as exc:
             failure = exc
         self.timing.store_s += time.perf_counter() - stored_at  # not the failure's handling below
@@ -502,15 +504,19 @@ class WorkerCore:
     def _failed(self, exc: BaseException) -> list[Output]:
         return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
 
-    def _guard(self) -> None:
-        """--oom-guard: make a peak above the limit as fatal as Metal makes it."""
+    def _guard(self, during: str) -> None:
+        """--oom-guard: make a peak above the limit as fatal as Metal makes it. ``during``:
+        what ran, for the message (which charge fell short is the first question)."""
         if self.opts.oom_guard == "off":
             return
         peak = self.memory.probe.step_peak()
         limit = self.memory.probe.limit_bytes
         if peak <= limit:
             return
-        reason = f"OOM guard: step peak {peak} bytes above the limit {limit} bytes"
+        held = self.cache.ledger().held_bytes if self.cache is not None else 0
+        reason = (f"OOM guard: step peak {peak} bytes above the limit {limit} bytes during {during}; "
+                  f"MLX idle {self.memory.idle_active_bytes} B, prompt cache {held} B, "
+                  f"promised {self.memory.reserved_bytes} B")
         if self.opts.oom_guard == "abort":
             print(f"mlx-worker: {reason}; aborting as Metal would", file=sys.stderr, flush=True)
             os.abort()
