@@ -16,6 +16,19 @@ its filter (the row's KV then lives in its extraction instead of the batch: no m
 Extractions made elsewhere (a message boundary's, after the step) stay lazy: the block store
 evaluates them one layer at a time as it copies blocks out (worker/block_store.py).
 
+Prompts of different lengths prefilled in one chunk are right-padded, and the chunk ends
+with ``finalize``, which rolls every layer's cache to move that padding left: evaluated
+together, the whole prompt batch's cache twice (on the demo model under 400 MB, two ~1,250-token
+prompts prefilled together peaked 1.2-1.3x the gate's charge there, and the OOM guard aborted).
+Each layer's roll is evaluated as it is made, like a filter.
+
+Prompts that finish their prefill while others in the prompt batch go on leave it through
+``PromptProcessingBatch.split``, which deep-copies the whole prompt batch's cache and then
+filters the original and the copy: the prompt batch's KV and more beside it (the same two
+prompts: 1.25x the batch). Split here instead: each layer's cache is copied shallowly (its
+arrays shared) and the two filters run on it together, so its old buffers go before the
+next layer is split.
+
 What it costs: an evaluation per layer at a join or a finish, where the host waits for the
 step in flight instead of queuing the next one ahead of it. So only a batch whose layers are
 large is copied this way (``costmodel.copies_layerwise``, checked here at half its threshold
@@ -31,6 +44,7 @@ join and a real finish through mlx-lm's own batch methods).
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from collections.abc import Callable
@@ -38,14 +52,14 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models import cache as mlx_cache
 
 from common.costmodel import LAYERWISE_COPY_BYTES
 
 # The batch caches mlx-lm's BatchGenerator builds; each rebuilds its own arrays in place.
 BATCH_CACHES = ("BatchKVCache", "BatchRotatingKVCache", "ArraysCache")
-IN_PLACE = ("extend", "filter")
+IN_PLACE = ("extend", "filter", "finalize")
 _MARK = "_headroom_layerwise"
 # Below the cost model's threshold: a layer it estimates at the threshold is evaluated here.
 EVAL_LAYER_BYTES = LAYERWISE_COPY_BYTES // 2
@@ -114,6 +128,36 @@ def _next(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _split(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``PromptProcessingBatch.split`` without its deep copy of every layer (for plain
+    batch caches, whose ``filter`` rebinds its arrays and never changes them)."""
+    @functools.wraps(method)
+    def run(self: Any, indices: list[int]) -> Any:
+        caches = self.prompt_cache
+        if not caches or not all(type(c) is mlx_cache.BatchKVCache for c in caches):
+            return method(self, indices)
+        indices = sorted(indices)
+        left = sorted(set(range(len(self.uids))) - set(indices))
+        self.prompt_cache = []  # the library's _copy deep-copies nothing, and filters none
+        new_batch = self._copy()
+        self.filter(left)
+        new_batch.filter(indices)
+        split: list[Any] = []
+        for c in caches:  # a layer at a time (``filter`` evaluates a large one here)
+            moved = copy.copy(c)
+            moved.filter(indices)
+            if left:
+                c.filter(left)
+            else:
+                c.keys = c.values = None  # every row moved: the old layer goes now
+            split.append(moved)
+        self.prompt_cache = caches if left else []
+        new_batch.prompt_cache = split
+        return new_batch
+
+    return run
+
+
 def _wrap(cls: type, attr: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     method = cls.__dict__.get(attr)
     if method is not None and not getattr(method, _MARK, False):
@@ -123,16 +167,18 @@ def _wrap(cls: type, attr: str, wrapper: Callable[[Callable[..., Any]], Callable
 
 
 def install() -> None:
-    """Wrap the batch caches' ``extend``, ``filter`` and ``extract``, and
-    ``GenerationBatch.next`` (idempotent)."""
+    """Wrap the batch caches' ``extend``, ``filter``, ``finalize`` and ``extract``,
+    ``GenerationBatch.next`` and ``PromptProcessingBatch.split`` (idempotent)."""
     for name in BATCH_CACHES:
         cls = getattr(mlx_cache, name, None)
         if cls is None:
             continue
         _wrap(cls, "extend", functools.partial(_in_place, joins=True))
         _wrap(cls, "filter", _in_place)
+        _wrap(cls, "finalize", _in_place)
         _wrap(cls, "extract", _extract)
     _wrap(GenerationBatch, "next", _next)
+    _wrap(PromptProcessingBatch, "split", _split)
 
 
 def layerwise_copy_bytes() -> int:
@@ -146,4 +192,5 @@ def layerwise_copy_bytes() -> int:
 def installed() -> bool:
     cls = mlx_cache.BatchKVCache
     return all(getattr(cls.__dict__.get(attr), _MARK, False) for attr in (*IN_PLACE, "extract")) \
-        and getattr(GenerationBatch.__dict__.get("next"), _MARK, False)
+        and getattr(GenerationBatch.__dict__.get("next"), _MARK, False) \
+        and getattr(PromptProcessingBatch.__dict__.get("split"), _MARK, False)

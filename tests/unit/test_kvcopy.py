@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.generate import GenerationBatch, _extend_cache
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, _extend_cache
 from mlx_lm.models.cache import BatchKVCache
 
 from common import costmodel
@@ -237,3 +237,44 @@ def test_a_larger_batch_is_never_charged_a_smaller_copy(kv: int, layers: int, ro
                             layerwise_copy_bytes=costmodel.LAYERWISE_COPY_BYTES)
     assert costmodel.copy_spike_bytes(m, rows + more_rows, tokens + more_tokens) \
         >= costmodel.copy_spike_bytes(m, rows, tokens)
+
+
+def ragged_prefill_peak(model) -> tuple[int, int]:
+    """mlx-lm's own BatchGenerator on the demo model: two prompts of different lengths
+    prefilled together in chunks of 128, so that their last chunks are ragged (right-padded,
+    then ``finalize``d) and the first to finish leaves the prompt batch (``split``). The
+    largest step peak above what was live before the prompts came, and their KV at the end."""
+    from mlx_lm.generate import BatchGenerator
+
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    idle = mx.get_active_memory()
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=128)
+    gen.insert([[(7 * j) % 500 + 3 for j in range(600)], [(11 * j) % 500 + 3 for j in range(540)]],
+               max_tokens=[4, 4])
+    worst = 0
+    for _ in range(12):
+        mx.reset_peak_memory()
+        gen.next()
+        mx.synchronize()
+        worst = max(worst, mx.get_peak_memory() - idle)
+        if len(gen._generation_batch) == 2:
+            break
+    kv = sum(c.nbytes for c in gen._generation_batch.prompt_cache)
+    gen.close()
+    return worst, kv
+
+
+def test_prompts_prefilled_together_are_padded_and_split_one_layer_at_a_time(demo, monkeypatch):
+    """Two prompts in one prompt batch: the ragged last chunk's roll (``finalize``) and the
+    first prompt's leaving the batch (``split``) once held the whole batch's KV twice (the
+    OOM guard aborted a demo worker under 400 MB on it)."""
+    peak, kv = ragged_prefill_peak(demo)
+    layers = len(demo.layers)
+    assert kv // layers >= kvcopy.EVAL_LAYER_BYTES
+    assert peak <= kv + 2 * kv // layers + (16 << 20)  # a layer or two, and a chunk's forward
+    monkeypatch.setattr(BatchKVCache, "finalize", BatchKVCache.finalize.__wrapped__)
+    monkeypatch.setattr(PromptProcessingBatch, "split", PromptProcessingBatch.split.__wrapped__)
+    whole, _ = ragged_prefill_peak(demo)
+    assert whole >= kv * 7 // 4
