@@ -251,7 +251,7 @@ def ragged_prefill_peak(model) -> tuple[int, int]:
     mx.clear_cache()
     idle = mx.get_active_memory()
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=128)
-    gen.insert([[(7 * j) % 500 + 3 for j in range(600)], [(11 * j) % 500 + 3 for j in range(540)]],
+    gen.insert([[(7 * j) % 500 + 3 for j in range(330)], [(11 * j) % 500 + 3 for j in range(300)]],
                max_tokens=[4, 4])
     worst = 0
     for _ in range(12):
