@@ -23,13 +23,14 @@ from common.costmodel import CostModel
 from tests.conftest import wait_until
 from tests.integration.conftest import Router
 
-# The run, scaled to half (its prefill took most of a minute on 2 shared cores):
-# 266 MiB and one ~1,870-token prompt with fifteen of ~236 there; here 150 MiB, 900 and
+# The run, scaled to a quarter (its prefill took most of a minute on 2 shared cores):
+# 266 MiB and one ~1,870-token prompt with fifteen of ~236 there; here 104 MiB, 500 and
 # seven of 120 (fifteen cost the suite 5 s more; seven wait behind the long one as well).
-# The long prompt's entry (prompt and answer, 916 tokens at 64 KiB each on the demo model,
-# ~60 MB) and that prompt's own request (~90 MB) fit a ~124 MB budget alone, not together.
-TIGHT = ["--memory-limit-mb", "150", "--oom-guard", "abort"]
-LONG_TOKENS, SHORT_TOKENS, NUM_SHORT, MAX_TOKENS = 900, 120, 7, 16
+# The long prompt's entry (prompt and answer, 516 tokens at 64 KiB each on the demo model,
+# ~34 MB) and that prompt's own request (~66 MB, its KV in 256-token steps) fit a ~79 MB
+# budget alone, not together: the premise holds for limits of ~89-120 MiB here.
+TIGHT = ["--memory-limit-mb", "104", "--oom-guard", "abort"]
+LONG_TOKENS, SHORT_TOKENS, NUM_SHORT, MAX_TOKENS = 500, 120, 7, 16
 # Bounded: before the fix every request ended here with nothing running; after it they all
 # finish well within it, even on shared cores.
 QUEUE_TIMEOUT_S = 60.0
