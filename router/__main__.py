@@ -13,7 +13,7 @@ from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError
 from common.log import setup_logging
 from common.protocol import ExitCode
-from router.fleet.models import build_catalog
+from router.fleet.models import build_catalog, check_pins
 from router.ops import ipc
 
 log = logging.getLogger("router")
@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
         ipc.check_addr(addr)
         catalog = build_catalog(cfg.model, cfg.models_dir)  # a bad model list is a clear ConfigError here
+        check_pins(catalog, cfg.pin)
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
         print(f"mlx-router: {exc.message}", file=sys.stderr)

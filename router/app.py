@@ -15,11 +15,11 @@ import psutil
 
 from common.config import RouterConfig, parse_duration
 from common.curve import ServerKeys
-from common.errors import ConfigError, HeadroomError
+from common.errors import HeadroomError
 from router.fleet.channel import Channel
 from router.fleet.dispatch import Dispatcher
 from router.fleet.fleet import Fleet
-from router.fleet.models import ModelSpec, build_catalog
+from router.fleet.models import ModelSpec, build_catalog, check_pins
 from router.fleet.placement import lease_mb
 from router.fleet.supervisor import SpawnSpec
 from router.http import anthropic_output
@@ -32,9 +32,9 @@ from router.http.reqid import KEY as REQUEST_ID
 from router.http.reqid import RequestIds, add_header
 from router.http.responses_api import Responses
 from router.ops import access
-from router.ops.access import AccessPolicy
+from router.ops.access import DETAILED, AccessPolicy
 from router.ops.curve_server import CurveServer
-from router.ops.status import Metrics, StatusViews
+from router.ops.status import Metrics, StatusViews, without_log_tail
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -119,9 +119,7 @@ def make_fleet(cfg: RouterConfig, addr: str, env: Mapping[str, str], dispatcher:
     """The models and their workers: one model is started at once and kept (as a
     single-model server does) unless --keep-alive says otherwise; several load on demand."""
     catalog = build_catalog(cfg.model, cfg.models_dir)
-    for alias in cfg.pin:
-        if alias not in {s.alias for s in catalog}:
-            raise ConfigError(f"--pin {alias}: no model has that alias")
+    check_pins(catalog, cfg.pin)
     several = len(catalog) > 1
     keep_alive_s = parse_duration(cfg.keep_alive, "--keep-alive") if cfg.keep_alive is not None \
         else (DEFAULT_KEEP_ALIVE_S if several else -1.0)
@@ -186,8 +184,10 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
 
     async def admin_restart(request: web.Request) -> web.Response:
         fleet.restart_all()
-        return web.json_response({"status": "restarting",
-                                  "workers": [w.sup.describe() for w in fleet.workers.values()]})
+        workers = [w.sup.describe() for w in fleet.workers.values()]
+        if not request.get(DETAILED, False):
+            workers = [without_log_tail(w) for w in workers]
+        return web.json_response({"status": "restarting", "workers": workers})
 
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)

@@ -226,8 +226,10 @@ class Dispatcher:
         while backlog:
             backlog.pop().fail(error)
 
-    def worker_lost(self, incarnation: int, why: str) -> bool:
-        """Answer or re-queue every job of a dead worker. True if a quarantined prompt is to blame."""
+    def worker_lost(self, incarnation: int, why: str, *, died: bool = True) -> bool:
+        """Answer or re-queue every job of a dead worker. True if a quarantined prompt is to blame.
+        ``died`` False: it was stopped (an operator's restart, an unload, a clean exit),
+        which is no evidence against what it ran: nothing is counted toward quarantine."""
         link = self.links.pop(incarnation, None)
         if link is None:
             return False
@@ -236,7 +238,7 @@ class Dispatcher:
             self.ready(model).clear()
         jobs = list(link.in_flight.values())
         now = self.clock()
-        newly = self.quarantine.record_death({j.fingerprint() for j in jobs}, now)
+        newly = self.quarantine.record_death({j.fingerprint() for j in jobs}, now) if died else set()
         backlog = self.backlog(model)
         for job in reversed(jobs):  # reversed + push_front keeps their original order
             if job.fingerprint() in newly:
@@ -250,7 +252,8 @@ class Dispatcher:
             else:
                 # Only the cause's name: an external worker's reason may carry its
                 # exception text (paths, values), which belongs in the log, not to clients.
-                job.fail(WorkerLost(f"the worker died while running this request "
+                what = "died" if died else "was stopped"
+                job.fail(WorkerLost(f"the worker {what} while running this request "
                                     f"({why.split(':')[0]}); it is being restarted, retry shortly"))
         log.warning("worker %d (%s) lost (%s): %d in flight, %d quarantined", incarnation, model,
                     why, len(jobs), len(newly))

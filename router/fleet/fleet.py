@@ -296,6 +296,10 @@ class Fleet:
                 continue
             if any(w.sup.state is WorkerState.STARTING for w in workers):
                 continue  # still loading: never stop a load half way
+            if any(w.sup.state is WorkerState.FAILED for w in workers):
+                # Failed waits for an operator's restart, which restarts the workers there
+                # are: unloaded, the model would be refused for good with none to restart.
+                continue
             if placement.expired(self.last_used(model), served.keep_alive_s, now):
                 for w in workers:
                     self._retire(w, f"idle for {served.keep_alive_s:g}s (keep-alive)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,14 @@ def scan_models_dir(root: Path) -> list[ModelSpec]:
     found = sorted({p.parent for p in root.rglob("config.json") if is_model_folder(p.parent)})
     return [spec_for(str(p.relative_to(root)).replace("/", "--") if p != root else p.name, str(p))
             for p in found]
+
+
+def check_pins(catalog: Sequence[ModelSpec], pins: Sequence[str]) -> None:
+    """Every ``--pin`` names a model of the catalog."""
+    aliases = {s.alias for s in catalog}
+    for alias in pins:
+        if alias not in aliases:
+            raise ConfigError(f"--pin {alias}: no model has that alias")
 
 
 def build_catalog(models: tuple[str, ...], models_dir: str | None) -> list[ModelSpec]:

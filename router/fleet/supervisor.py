@@ -51,6 +51,9 @@ LEAVE_TIMEOUT_S = 15.0
 # A worker that said it is stopping (its Shutdown sent: its running requests are done or
 # dropped) has only its exit left, which takes well under a second: past this it is killed.
 EXIT_TIMEOUT_S = 3.0
+# The return code recorded for a worker process that could not be created (the shell's
+# "could not execute").
+SPAWN_FAILED = 126
 STDERR_TAIL_LINES = 30
 
 
@@ -95,7 +98,8 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None, str]:
                ExitCode.NO_MEMORY: "not enough memory for even a minimal request",
                ExitCode.UNTRUSTED_STATE: "memory error left untrusted state",
                ExitCode.PROTOCOL_MISMATCH: "protocol version mismatch",
-               ExitCode.ENGINE_ERROR: "engine error (a bug, not memory)"}
+               ExitCode.ENGINE_ERROR: "engine error (a bug, not memory)",
+               SPAWN_FAILED: "could not be started"}
     return returncode, None, reasons.get(returncode, f"exited with code {returncode}")
 
 
@@ -113,7 +117,7 @@ class Workers(Protocol):
 
     links: dict[int, WorkerLink]
 
-    def worker_lost(self, incarnation: int, why: str) -> bool: ...
+    def worker_lost(self, incarnation: int, why: str, *, died: bool = True) -> bool: ...
 
     def send_to(self, incarnation: int, msg: Message) -> bool: ...
 
@@ -187,7 +191,7 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.standby.close()
         if self.spawn_spec is not None and self.incarnation is not None:
-            self.dispatcher.worker_lost(self.incarnation, reason)
+            self.dispatcher.worker_lost(self.incarnation, reason, died=False)
 
     @property
     def is_exited(self) -> bool:
@@ -279,10 +283,17 @@ class Supervisor:
         proc = await self.standby.take(argv, spec.env)
         how = "its standby, told to go"
         if proc is None:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, env=spec.env, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, env=spec.env, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True)
+            except OSError as exc:
+                # EAGAIN, EMFILE, an interpreter gone: a start that died, backed off and
+                # counted as one (it once ended this loop: the worker "starting" for ever).
+                log.error("could not start a worker: %s", exc)
+                self._stderr_tail.append(f"could not start the worker: {exc}")
+                return SPAWN_FAILED
             how = "a new process"
         self._proc, self.pid = proc, proc.pid
         self._spawned_at = self.clock()
@@ -307,7 +318,9 @@ class Supervisor:
     def _after_exit(self, returncode: int) -> float | None:
         code, sig, why = describe_exit(returncode)
         self.last_exit = ExitRecord(code, sig, why, time.time(), list(self._stderr_tail))
-        blamed = self.dispatcher.worker_lost(self.incarnation or -1, why)
+        # An exit an operator asked for, or a clean one, is not a death of what it ran.
+        blamed = self.dispatcher.worker_lost(self.incarnation or -1, why,
+                                             died=not (self._requested or returncode == 0))
         self.metrics.worker_exits.labels(cause=sig or str(code)).inc()
         state, delay = self.decide(returncode, was_ready=self.state is WorkerState.READY,
                                    blamed_on_quarantine=blamed, now=self.clock(),

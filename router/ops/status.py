@@ -198,6 +198,14 @@ PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"
                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"}
 
 
+
+def without_log_tail(worker: dict[str, Any]) -> dict[str, Any]:
+    """A worker's description without its log's tail: stderr may hold paths and prompts,
+    for callers with the API key only."""
+    if not worker.get("last_exit"):
+        return worker
+    return {**worker, "last_exit": {k: v for k, v in worker["last_exit"].items() if k != "stderr_tail"}}
+
 class StatusViews:
     """Handlers for the operator endpoints; they read state, they never change it."""
 
@@ -247,10 +255,7 @@ class StatusViews:
         file: the worker's log tail and a model given as a path."""
         workers = self.worker_summaries()
         if not detailed:
-            for worker in workers:
-                if worker.get("last_exit"):
-                    worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
-                                           if k != "stderr_tail"}
+            workers = [without_log_tail(w) for w in workers]
         ok = self.is_serving() and not self.is_draining()
         if ok:
             status = "ok"
@@ -377,10 +382,7 @@ class StatusViews:
     def _page_workers(self) -> list[dict[str, Any]]:
         out = []
         for w in self.fleet.workers.values():
-            worker = w.sup.describe()
-            if worker.get("last_exit"):  # stderr may hold paths and prompts: /health has it
-                worker["last_exit"] = {k: v for k, v in worker["last_exit"].items()
-                                       if k != "stderr_tail"}
+            worker = without_log_tail(w.sup.describe())  # /health has it, with the key
             if worker["incarnation"] is not None:  # 62 bits: more than a JavaScript number holds
                 worker["incarnation"] = str(worker["incarnation"])
             link = self._link(w.sup.incarnation)

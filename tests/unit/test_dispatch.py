@@ -265,3 +265,27 @@ def test_cancelling_a_request_s_rows_sends_none_of_its_queued_rows(dispatcher: t
     sent = [msg for _, msg in d.sent]  # type: ignore[attr-defined]
     assert not any(isinstance(m, Generate) for m in sent)
     assert sorted(m.request_id for m in sent if isinstance(m, Cancel)) == [f"r#{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("died", [True, False])
+def test_only_deaths_count_toward_quarantine_not_an_operators_restarts(
+        dispatcher: tuple[Dispatcher, Clock], died: bool) -> None:
+    """A request running at two worker deaths is quarantined; at two operator restarts (or
+    clean exits) it is not: those say nothing against it."""
+    from common.errors import RequestQuarantined
+
+    d, _ = dispatcher
+    job = _submit_to_worker_7(d)
+    for incarnation in (7, 8):
+        assert job.state is JobState.RUNNING and job.incarnation == incarnation
+        d.worker_lost(incarnation, "restart requested by an operator", died=died)
+        d._handle(b"w8", _hello(8))
+        d._handle(b"w8", _status(8))
+    again = Job(request_id="r2", prompt_ids=[1, 2, 3], sampling=Sampling(max_tokens=4), deadline=1e9,
+                enqueued_at=0.0, model="m")
+    if died:
+        with pytest.raises(RequestQuarantined):
+            d.submit(again)
+    else:
+        d.submit(again)
+        assert again.state is JobState.RUNNING

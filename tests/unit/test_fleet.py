@@ -186,3 +186,23 @@ async def test_only_a_permanent_failure_of_every_worker_is_reported(
     w.sup.last_exit = exit_record
     w.sup._set(WorkerState.FAILED, f"worker keeps failing: {exit_record.reason}")
     assert calls == reported and "a" in dispatcher.unavailable
+
+
+async def test_a_failed_model_stays_failed_past_its_keep_alive_for_the_operators_restart(world: Any) -> None:
+    """Once unloaded by its keep-alive, a failed model had no worker left to restart: every
+    request was refused "an operator must restart it", and the restart did nothing."""
+    fleet, dispatcher, sent, clock = world
+    dispatcher.submit(job("a", "r1"))
+    fleet.reconcile()
+    (w,) = fleet.workers.values()
+    w.sup.last_exit = ExitRecord(None, "SIGKILL", "killed (SIGKILL)", 0.0)
+    w.sup._set(WorkerState.FAILED, "worker keeps failing: killed (SIGKILL)")
+    assert "a" in dispatcher.unavailable
+    clock.now += 60.0  # long past its 5 s keep-alive
+    fleet.reconcile()
+    await settle(fleet)
+    assert list(fleet.workers.values()) == [w] and not w.stopping
+    restarted: list[Any] = []
+    w.sup.restart_now = lambda: restarted.append(w)  # type: ignore[method-assign]
+    fleet.restart_all()
+    assert restarted == [w]

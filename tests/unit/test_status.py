@@ -72,3 +72,12 @@ def test_block_store_metrics() -> None:
 def test_metrics_has_what_each_part_counts(protocol: type) -> None:
     metrics = Metrics()
     assert [name for name in protocol.__annotations__ if not hasattr(metrics, name)] == []
+
+
+def test_a_worker_s_log_tail_is_left_out_for_callers_without_the_key() -> None:
+    from router.ops.status import without_log_tail
+
+    worker = {"pid": 7, "last_exit": {"code": 1, "reason": "exited", "stderr_tail": ["/home/me/model: x"]}}
+    assert without_log_tail(worker) == {"pid": 7, "last_exit": {"code": 1, "reason": "exited"}}
+    assert worker["last_exit"]["stderr_tail"]  # the description itself is not changed
+    assert without_log_tail({"pid": 8, "last_exit": None}) == {"pid": 8, "last_exit": None}

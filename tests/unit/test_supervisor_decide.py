@@ -6,6 +6,7 @@ asyncio primitives bind to a loop lazily, so the Supervisor can be built outside
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from types import SimpleNamespace
 from typing import Any
@@ -229,3 +230,41 @@ def test_an_operators_restart_is_neither_backed_off_nor_a_death(sup: Supervisor,
                       now=clock.now) == (WorkerState.RESTARTING, 0.0)
     assert sup.decide(-9, was_ready=True, blamed_on_quarantine=False,
                       now=clock.now) == (WorkerState.RESTARTING, BACKOFF_FIRST_S)
+
+
+async def test_a_worker_that_cannot_be_started_backs_off_and_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OSError from creating the process (EAGAIN, EMFILE, an interpreter gone) once ended
+    the spawn loop unlogged, the worker "starting" for ever: now each is a start-up death,
+    backed off, and the third fails the worker with its cause in the log's tail."""
+    from router.fleet import supervisor as sv
+    from router.fleet.supervisor import SpawnSpec, WorkerState
+    from router.ops.status import Metrics
+
+    class Workers:
+        links: dict[int, Any] = {}
+        unavailable: list[Any] = []
+
+        def worker_lost(self, *args: Any, **kwargs: Any) -> bool:
+            return False
+
+        def send_to(self, *args: Any) -> bool:
+            return False
+
+        def set_unavailable(self, model: str, reason: str | None) -> None:
+            self.unavailable.append(reason)
+
+    monkeypatch.setattr(sv, "BACKOFF_FIRST_S", 0.01)
+    workers = Workers()
+    sup = Supervisor(workers, SpawnSpec(["/nonexistent/python", "-m", "worker"], {}), Metrics())  # type: ignore[arg-type]
+    await sup.start()
+    try:
+        for _ in range(200):
+            if sup.state is WorkerState.FAILED:
+                break
+            await asyncio.sleep(0.01)
+        assert sup.state is WorkerState.FAILED and sup.last_exit is not None
+        assert sup.last_exit.reason == "could not be started"
+        assert any("could not start the worker" in line for line in sup.last_exit.stderr_tail)
+        assert workers.unavailable and workers.unavailable[-1]
+    finally:
+        await sup.stop()
