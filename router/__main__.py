@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from common.config import RouterConfig, env_snapshot, load, permanent_exit
 from common.curve import ServerKeys, load_server_keys
-from common.errors import ConfigError
+from common.errors import ConfigError, NoWorker
 from common.log import setup_logging
 from common.protocol import ExitCode
 from router.fleet.models import build_catalog, check_pins
@@ -20,6 +20,8 @@ log = logging.getLogger("router")
 
 # How often the drain loop looks at the in-flight count.
 DRAIN_POLL_S = 0.1
+# How long aiohttp waits for handlers once the drain is over (they only write an error).
+SHUTDOWN_GRACE_S = 5.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,11 +78,13 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
     # Imported here: `mlx-router status` and `service` need neither aiohttp nor the tokenizer.
     from aiohttp import web
 
-    from router.app import API, FLEET, STATE, make_app
+    from router.app import API, DISPATCHER, FLEET, STATE, make_app
 
     app = make_app(cfg, addr, env, api_keys=api_keys, link_keys=link_keys,
                    exits_on_permanent_failure=foreground)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    # After the drain, unfinished requests are answered with an error (below): what is left
+    # for the handlers is writing it, well within this.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
                            keepalive_timeout=cfg.idle_timeout_s,
                            max_line_size=cfg.max_header_bytes, max_field_size=cfg.max_header_bytes)
     await runner.setup()
@@ -107,6 +111,10 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
     while app[API].num_in_flight and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
     log.info("[shutdown] stopping (%d still in flight)", app[API].num_in_flight)
+    if app[API].num_in_flight:
+        # Past --drain-timeout: answered now, an error event and the stream's end, rather
+        # than left to aiohttp's own wait (a minute, past a service manager's stop timeout).
+        app[DISPATCHER].fail_all(NoWorker("the server is shutting down; retry shortly"))
     await runner.cleanup()
     return app[STATE].exit_code
 

@@ -220,6 +220,22 @@ class Dispatcher:
             backlog.pop().fail(NoWorker(reason))
         self.ready(model).set()  # wake requests waiting for a hello; they will see `unavailable`
 
+    def fail_all(self, error: HeadroomError) -> int:
+        """Answer every job, running or queued, with ``error`` (a shutdown past its drain
+        deadline); running rows are cancelled on their workers. Returns how many."""
+        n = 0
+        for link in self.links.values():
+            for request_id, job in list(link.in_flight.items()):
+                del link.in_flight[request_id]
+                self._send(link, Cancel(incarnation=link.incarnation, request_id=request_id))
+                job.fail(error)
+                n += 1
+        for backlog in self.backlogs.values():
+            while backlog:
+                backlog.pop().fail(error)
+                n += 1
+        return n
+
     def fail_queued(self, model: str, error: BadRequest | NoWorker) -> None:
         """Answer every job waiting for ``model`` (a load that can never fit)."""
         backlog = self.backlog(model)

@@ -38,3 +38,24 @@ def test_sigterm_lets_the_stream_finish_and_exits_zero(fresh_router: Callable[..
     except httpx.HTTPError:
         pass
 
+
+
+def test_past_the_drain_timeout_a_stream_ends_with_an_error_and_the_router_exits(
+        fresh_router: Callable[..., Router]) -> None:
+    """A stream that outlives --drain-timeout is answered: an error event, then the stream's
+    end, and the router exits. It once waited on for aiohttp's own minute (and more), past
+    the service manager's stop timeout, which kills the router mid-stream."""
+    import json
+
+    router = fresh_router("--drain-timeout", "1")
+    with httpx.Client(base_url=router.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json={"prompt": "never done", "max_tokens": 3000,
+                                                           "stream": True, "ignore_eos": True}) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        router.popen.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "no_worker" and "shutting down" in error["message"]
+    assert router.popen.wait(30) == 0
