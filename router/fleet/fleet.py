@@ -126,8 +126,16 @@ class Fleet:
                              *self._pending, return_exceptions=True)
 
     def restart_all(self) -> None:
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
+            if self.budget_bytes is not None and w.lease_bytes is not None \
+                    and w.sup.state is WorkerState.FAILED and w.sup.is_exited and not w.stopping:
+                # Its lease stopped counting when it failed, and others may hold that room
+                # now: placed again, within the budget, rather than restarted with its old share.
+                self.dispatcher.set_unavailable(w.model, None)
+                self._retire(w, "restarted by an operator: placed again")
+                continue
             w.sup.restart_now()
+        self._wake.set()
 
     # -- what the API asks -----------------------------------------------------------
 

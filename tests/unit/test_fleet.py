@@ -202,7 +202,35 @@ async def test_a_failed_model_stays_failed_past_its_keep_alive_for_the_operators
     fleet.reconcile()
     await settle(fleet)
     assert list(fleet.workers.values()) == [w] and not w.stopping
+    fleet.restart_all()  # under a host budget: placed again (below)
+    await settle(fleet)
+    assert "a" not in dispatcher.unavailable
+    dispatcher.submit(job("a", "r2"))
+    fleet.reconcile()
+    assert [x.model for x in fleet.workers.values() if x is not w] == ["a"]
+
+
+async def test_an_operators_restart_places_a_failed_model_again_within_the_budget(world: Any) -> None:
+    """A failed worker's lease stops counting, and another model takes the room: restarted
+    with its old share, the two leases added up to twice the host budget."""
+    fleet, dispatcher, sent, clock = world
+    dispatcher.submit(job("a", "r1"))
+    fleet.reconcile()
+    await settle(fleet)  # its start ran: its own incarnation
+    (a,) = fleet.workers.values()
+    a.sup.last_exit = ExitRecord(None, "SIGKILL", "killed (SIGKILL)", 0.0)
+    a.sup._set(WorkerState.FAILED, "worker keeps failing: killed (SIGKILL)")
+    dispatcher.submit(job("b", "r2"))
+    fleet.reconcile()
+    await hello_from(fleet, dispatcher, "b")
+    assert fleet.leased_bytes() <= fleet.budget_bytes
     restarted: list[Any] = []
-    w.sup.restart_now = lambda: restarted.append(w)  # type: ignore[method-assign]
+    a.sup.restart_now = lambda: restarted.append(a)  # type: ignore[method-assign]
     fleet.restart_all()
-    assert restarted == [w]
+    await settle(fleet)
+    assert restarted == [] and a.key not in fleet.workers and "a" not in dispatcher.unavailable
+    dispatcher.submit(job("a", "r3"))
+    for _ in range(3):
+        fleet.reconcile()
+        await settle(fleet)
+    assert sum(w.lease_bytes or 0 for w in fleet.workers.values()) <= fleet.budget_bytes
