@@ -339,7 +339,7 @@ class Fleet:
             self._spawn(served, None)
             return
         plan = placement.plan_load(self.budget_bytes, self.footprint(served), self._residents(),
-                                   cap_bytes=self.cap_bytes, may_evict=have == 0)
+                                   cap_bytes=self._lease_cap(served), may_evict=have == 0)
         if plan.action is Action.LOAD:
             self._spawn(served, plan.lease_bytes)
         elif plan.action is Action.EVICT:
@@ -350,11 +350,24 @@ class Fleet:
                 self._retire(self.workers[key], f"making room for {model}")
         elif plan.action is Action.NEVER and have == 0:
             fp = self.footprint(served)
-            log.warning("model %s can never load within the host budget (%d MiB needed)", model,
-                        fp.need_bytes >> 20)
+            pinned = sum(w.lease_bytes or 0 for w in self.workers.values() if self.models[w.model].pinned)
+            beside = f", {pinned >> 20} MiB of it leased to pinned models" if pinned else ""
+            log.warning("model %s can never load within the host budget (%d MiB needed%s)", model,
+                        fp.need_bytes >> 20, beside)
             self.dispatcher.fail_queued(model, InsufficientMemory(
                 f"model {model} needs about {fp.need_bytes >> 20} MiB to load; the host budget "
-                f"is {self.budget_bytes >> 20} MiB", param="model", needed_bytes=fp.need_bytes))
+                f"is {self.budget_bytes >> 20} MiB{beside}", param="model", needed_bytes=fp.need_bytes))
+
+    def _lease_cap(self, served: Served) -> int | None:
+        """--memory-limit-mb, and for a pinned model (never stopped for another, its lease
+        never shrinks) what leaves room for the largest other model to load beside it."""
+        cap = self.cap_bytes
+        others = [self.footprint(s).need_bytes for s in self.models.values() if s is not served]
+        if served.pinned and others and self.budget_bytes is not None:
+            room = self.budget_bytes - max(others)
+            if room >= self.footprint(served).need_bytes:
+                cap = room if cap is None else min(cap, room)
+        return cap
 
     def _spawn(self, served: Served, lease_bytes: int | None) -> None:
         assert self.make_spawn is not None

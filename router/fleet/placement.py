@@ -80,6 +80,10 @@ def plan_load(budget_bytes: int, footprint: Footprint, residents: list[Resident]
         return Plan(Action.LOAD, lease_bytes=lease)
     if not may_evict:
         return Plan(Action.WAIT)
+    if free + sum(r.lease_bytes for r in residents if not r.pinned) < footprint.need_bytes:
+        # Only pinned workers (never stopped, their leases never shrink) hold the rest: the
+        # wait would never end.
+        return Plan(Action.NEVER)
     victims: list[int] = []
     idle = sorted((r for r in residents if not r.busy and not r.pinned),
                   key=lambda r: r.last_used_at)

@@ -122,7 +122,9 @@ async def test_room_is_made_by_trimming_then_stopping_the_idle_model(world: Any)
     assert fleet.leased_bytes() <= 200 * MIB
 
 
-async def test_a_pinned_model_is_never_stopped_for_another(world: Any) -> None:
+async def test_a_pinned_model_is_never_stopped_for_another_and_leaves_it_room(world: Any) -> None:
+    """Pinned, a is never stopped; its lease leaves room for the largest other model (the
+    whole budget once went to it, and b waited for ever)."""
     fleet, dispatcher, sent, clock = world
     fleet.models["a"].pinned = True
     fleet.reconcile()
@@ -130,6 +132,24 @@ async def test_a_pinned_model_is_never_stopped_for_another(world: Any) -> None:
     dispatcher.submit(job("b", "r1"))
     fleet.reconcile()
     await settle(fleet)
+    assert [(w.model, w.stopping) for w in fleet.workers.values()] == [("a", False), ("b", False)]
+    assert fleet.leased_bytes() <= fleet.budget_bytes
+
+
+async def test_a_model_that_can_never_load_beside_the_pinned_ones_is_refused_not_left_waiting(
+        world: Any) -> None:
+    from common.errors import InsufficientMemory
+
+    fleet, dispatcher, sent, clock = world
+    fleet.budget_bytes = 150 * MIB  # a needs ~91: no room for b's ~91 beside it, pinned or not
+    fleet.models["a"].pinned = True
+    fleet.reconcile()
+    await hello_from(fleet, dispatcher, "a")
+    dispatcher.submit(waiting := job("b", "r1"))
+    fleet.reconcile()
+    await settle(fleet)
+    error = waiting.events.get_nowait()
+    assert isinstance(error, InsufficientMemory) and "pinned" in error.message
     assert [w.model for w in fleet.workers.values()] == ["a"]
 
 
