@@ -271,6 +271,7 @@ class Fleet:
         for served in self.models.values():
             if self.make_spawn is not None and self._wanted(served):
                 self._place(served, now)
+        self._grow_leases()  # what no waiting model took
 
     def busy(self, model: str) -> bool:
         served = self.models[model]
@@ -404,8 +405,10 @@ class Fleet:
         task.add_done_callback(self._pending.discard)
 
     def _grow_leases(self) -> None:
-        """Room came back: a worker that got less than it asked for gets more, and is told."""
-        if self.budget_bytes is None:
+        """Room came back: a worker that got less than it asked for gets more, and is told;
+        not while a model waits to be placed (room freed for it, by an eviction, is its)."""
+        if self.budget_bytes is None or any(self._wanted(s) and not self.serving(s.spec.alias)
+                                            for s in self.models.values()):
             return
         free = self.budget_bytes - self.leased_bytes()
         for w in self.workers.values():

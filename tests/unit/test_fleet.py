@@ -66,7 +66,7 @@ async def settle(fleet: Fleet) -> None:
         await asyncio.gather(*list(fleet._pending))
 
 
-async def hello_from(fleet: Fleet, dispatcher: Dispatcher, model: str) -> int:
+async def hello_from(fleet: Fleet, dispatcher: Dispatcher, model: str, context_length: int = 4096) -> int:
     """The newest worker of ``model`` (started) says hello and reports."""
     await settle(fleet)
     w = [w for w in fleet.workers.values() if w.model == model][-1]
@@ -74,11 +74,11 @@ async def hello_from(fleet: Fleet, dispatcher: Dispatcher, model: str) -> int:
     assert incarnation is not None
     dispatcher._handle(f"w{incarnation}".encode(), Hello(
         incarnation=incarnation, pid=incarnation, package_version="t", model_id=f"/m/{model}",
-        fingerprint="f", context_length=4096, tokenizer_path=f"/m/{model}", eos_token_ids=[0],
+        fingerprint="f", context_length=context_length, tokenizer_path=f"/m/{model}", eos_token_ids=[0],
         admission=True, cost_model=CostModel(kv_bytes_per_token=65536, num_layers=4,
                                              prefill_a_bytes=1.0, prefill_c_bytes=1.0,
                                              budget_bytes=(w.lease_bytes or 0) - 30 * MIB,
-                                             context_length=4096,
+                                             context_length=context_length,
                                              prefill_step_tokens=256).to_dict()))
     dispatcher._handle(b"w", Status(incarnation=incarnation, report=MemoryReport(
         max_running_requests=4, limit_bytes=w.lease_bytes or 0)))
@@ -254,3 +254,26 @@ async def test_an_operators_restart_places_a_failed_model_again_within_the_budge
         fleet.reconcile()
         await settle(fleet)
     assert sum(w.lease_bytes or 0 for w in fleet.workers.values()) <= fleet.budget_bytes
+
+
+async def test_room_freed_for_a_model_goes_to_it_not_to_a_busy_other(world: Any) -> None:
+    """a (idle) is stopped to make room for b while c is busy and wants more: the room once
+    went to c's lease first, and b was not loaded (a stopped for nothing)."""
+    fleet, dispatcher, sent, clock = world
+    specs = [ModelSpec(alias=a, source=f"/m/{a}", weights_bytes=10 * MIB, kv_bytes_per_token=65536,
+                       context_length=ctx) for a, ctx in (("a", 4096), ("b", 4096), ("c", 16384))]
+    fleet = Fleet(specs, dispatcher, Metrics(), make_spawn=lambda spec, lease: SpawnSpec([spec.source], {}),
+                  budget_bytes=500 * MIB, cap_bytes=None, keep_alive_s=1000.0, clock=clock)
+    dispatcher.submit(first := job("a", "ra"))
+    fleet.reconcile()
+    await hello_from(fleet, dispatcher, "a")
+    dispatcher.cancel(first)  # a is idle
+    dispatcher.submit(job("c", "rc"))  # c is busy, its share less than it wants
+    fleet.reconcile()
+    await hello_from(fleet, dispatcher, "c", context_length=16384)
+    dispatcher.submit(job("b", "rb"))
+    for _ in range(3):
+        fleet.reconcile()
+        await settle(fleet)
+    assert sorted(w.model for w in fleet.workers.values()) == ["b", "c"]
+    assert fleet.leased_bytes() <= fleet.budget_bytes
