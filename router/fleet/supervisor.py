@@ -54,6 +54,10 @@ EXIT_TIMEOUT_S = 3.0
 # The return code recorded for a worker process that could not be created (the shell's
 # "could not execute").
 SPAWN_FAILED = 126
+# A spawned worker that has not said hello this long after its start is stuck (a load hung
+# on its storage, a stopped process): killed, a start-up death. Generous: a fresh GPU's
+# first start compiles kernels for minutes; never less than 4x the last start took.
+START_TIMEOUT_S = 900.0
 STDERR_TAIL_LINES = 30
 
 
@@ -386,11 +390,23 @@ class Supervisor:
             incarnation = self.incarnation
             link = self.dispatcher.links.get(incarnation) if incarnation is not None else None
             if link is None:
+                self._check_start()
                 continue
             self.dispatcher.send_to(link.incarnation, Heartbeat(incarnation=link.incarnation))
             why = link.liveness.verdict(self.clock(), link.status, self.stall_timeout_s)
             if why is not None:
                 self._unresponsive(link.incarnation, why)
+
+    def _check_start(self) -> None:
+        """A spawned worker still starting past its deadline is killed (its exit is then
+        counted as a start-up death: backed off, and failed at the third)."""
+        if self.spawn_spec is None or self.state is not WorkerState.STARTING or self._spawned_at is None \
+                or self.is_exited:
+            return
+        deadline_s = max(START_TIMEOUT_S, 4 * (self.last_start_s or 0.0))
+        waited_s = self.clock() - self._spawned_at
+        if waited_s > deadline_s:
+            self._kill(f"no hello {waited_s:.0f}s after its start (limit {deadline_s:.0f}s)")
 
     def _leave(self, timeout_s: float) -> None:
         """Our worker is leaving: no new job goes to it, and it has ``timeout_s`` to exit."""

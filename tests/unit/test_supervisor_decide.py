@@ -268,3 +268,43 @@ async def test_a_worker_that_cannot_be_started_backs_off_and_fails(monkeypatch: 
         assert workers.unavailable and workers.unavailable[-1]
     finally:
         await sup.stop()
+
+
+async def test_a_worker_that_never_says_hello_is_killed_at_its_start_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stuck start (a load hung on its storage, a stopped process) once left the worker
+    "starting" for ever, holding its lease: past the deadline it is killed, a start-up
+    death, and the third fails the worker."""
+    import sys
+
+    from router.fleet import supervisor as sv
+    from router.fleet.supervisor import SpawnSpec, WorkerState
+    from router.ops.status import Metrics
+
+    class Workers:
+        links: dict[int, Any] = {}
+
+        def worker_lost(self, *args: Any, **kwargs: Any) -> bool:
+            return False
+
+        def send_to(self, *args: Any) -> bool:
+            return False
+
+        def set_unavailable(self, model: str, reason: str | None) -> None:
+            pass
+
+    monkeypatch.setattr(sv, "START_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sv, "MONITOR_INTERVAL_S", 0.02)
+    monkeypatch.setattr(sv, "BACKOFF_FIRST_S", 0.01)
+    silent = SpawnSpec([sys.executable, "-c", "import time; time.sleep(60)"], {})
+    sup = Supervisor(Workers(), silent, Metrics())  # type: ignore[arg-type]
+    await sup.start()
+    try:
+        for _ in range(500):
+            if sup.state is WorkerState.FAILED:
+                break
+            await asyncio.sleep(0.02)
+        assert sup.state is WorkerState.FAILED and sup.last_exit is not None
+        assert sup.last_exit.signal == "SIGKILL"
+        assert any("no hello" in line for line in sup.last_exit.stderr_tail)
+    finally:
+        await sup.stop()
