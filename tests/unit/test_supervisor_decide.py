@@ -232,38 +232,49 @@ def test_an_operators_restart_is_neither_backed_off_nor_a_death(sup: Supervisor,
                       now=clock.now) == (WorkerState.RESTARTING, BACKOFF_FIRST_S)
 
 
+class SpawnWorkers:
+    """The dispatcher as a spawning supervisor calls it, recording what it is told."""
+
+    def __init__(self) -> None:
+        self.links: dict[int, Any] = {}
+        self.unavailable: list[str | None] = []
+
+    def worker_lost(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def send_to(self, *args: Any) -> bool:
+        return False
+
+    def set_unavailable(self, model: str, reason: str | None) -> None:
+        self.unavailable.append(reason)
+
+
+async def failed_after_start(sup: Supervisor) -> None:
+    """Start ``sup`` and wait (bounded) until it gives up on its worker."""
+    from router.fleet.supervisor import WorkerState
+
+    await sup.start()
+    for _ in range(500):
+        if sup.state is WorkerState.FAILED:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the worker is {sup.state}, not failed")
+
+
 async def test_a_worker_that_cannot_be_started_backs_off_and_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """An OSError from creating the process (EAGAIN, EMFILE, an interpreter gone) once ended
     the spawn loop unlogged, the worker "starting" for ever: now each is a start-up death,
     backed off, and the third fails the worker with its cause in the log's tail."""
     from router.fleet import supervisor as sv
-    from router.fleet.supervisor import SpawnSpec, WorkerState
+    from router.fleet.supervisor import SpawnSpec
     from router.ops.status import Metrics
 
-    class Workers:
-        links: dict[int, Any] = {}
-        unavailable: list[Any] = []
-
-        def worker_lost(self, *args: Any, **kwargs: Any) -> bool:
-            return False
-
-        def send_to(self, *args: Any) -> bool:
-            return False
-
-        def set_unavailable(self, model: str, reason: str | None) -> None:
-            self.unavailable.append(reason)
-
     monkeypatch.setattr(sv, "BACKOFF_FIRST_S", 0.01)
-    workers = Workers()
+    workers = SpawnWorkers()
     sup = Supervisor(workers, SpawnSpec(["/nonexistent/python", "-m", "worker"], {}), Metrics())  # type: ignore[arg-type]
-    await sup.start()
     try:
-        for _ in range(200):
-            if sup.state is WorkerState.FAILED:
-                break
-            await asyncio.sleep(0.01)
-        assert sup.state is WorkerState.FAILED and sup.last_exit is not None
-        assert sup.last_exit.reason == "could not be started"
+        await failed_after_start(sup)
+        assert sup.last_exit is not None and sup.last_exit.reason == "could not be started"
         assert any("could not start the worker" in line for line in sup.last_exit.stderr_tail)
         assert workers.unavailable and workers.unavailable[-1]
     finally:
@@ -277,34 +288,17 @@ async def test_a_worker_that_never_says_hello_is_killed_at_its_start_deadline(mo
     import sys
 
     from router.fleet import supervisor as sv
-    from router.fleet.supervisor import SpawnSpec, WorkerState
+    from router.fleet.supervisor import SpawnSpec
     from router.ops.status import Metrics
-
-    class Workers:
-        links: dict[int, Any] = {}
-
-        def worker_lost(self, *args: Any, **kwargs: Any) -> bool:
-            return False
-
-        def send_to(self, *args: Any) -> bool:
-            return False
-
-        def set_unavailable(self, model: str, reason: str | None) -> None:
-            pass
 
     monkeypatch.setattr(sv, "START_TIMEOUT_S", 0.3)
     monkeypatch.setattr(sv, "MONITOR_INTERVAL_S", 0.02)
     monkeypatch.setattr(sv, "BACKOFF_FIRST_S", 0.01)
     silent = SpawnSpec([sys.executable, "-c", "import time; time.sleep(60)"], {})
-    sup = Supervisor(Workers(), silent, Metrics())  # type: ignore[arg-type]
-    await sup.start()
+    sup = Supervisor(SpawnWorkers(), silent, Metrics())  # type: ignore[arg-type]
     try:
-        for _ in range(500):
-            if sup.state is WorkerState.FAILED:
-                break
-            await asyncio.sleep(0.02)
-        assert sup.state is WorkerState.FAILED and sup.last_exit is not None
-        assert sup.last_exit.signal == "SIGKILL"
+        await failed_after_start(sup)
+        assert sup.last_exit is not None and sup.last_exit.signal == "SIGKILL"
         assert any("no hello" in line for line in sup.last_exit.stderr_tail)
     finally:
         await sup.stop()
