@@ -155,22 +155,24 @@ class WorkerCore:
         return self._take()
 
     def _admit_guarded(self, msg: Generate, compiled: Future[Any] | None = None) -> None:
+        running = msg.request_id in self.engine.running  # a duplicate id's row is not this one's
         try:
             self.admit(msg, compiled)
         except Exception as exc:  # one request's failure to start is its own, never the worker's
+            if not running:
+                self.cancel(msg.request_id)  # whatever of it started
             self._admit_failed(msg, exc)
 
     def _admit_failed(self, msg: Generate, exc: Exception) -> None:
-        """An admission that raised (a value the decoder let through, a memory error while
-        a cached prefix was read back): whatever of it started goes, and it is refused,
-        to be queued again when memory ran out, else for good."""
-        self.cancel(msg.request_id)
-        if is_memory_error(exc):
-            log.warning("could not admit (%s); re-queued", exc, extra=about(msg.request_id))
+        """An admission that raised (its sampler or processors could not be built, a value
+        the decoder let through, a memory error while its row or a cached prefix was
+        made): refused, to be queued again when memory ran out, else for good."""
+        if is_memory_error(exc):  # no room after all: give MLX's cache back, ask again later
+            log.warning("could not start (%s); re-queued", exc, extra=about(msg.request_id))
             self.memory.probe.clear_cache()
             self._out.append(self._reject(msg, RejectReason.NOT_NOW, f"no room now: {exc}"))
             return
-        log.error("could not admit: %s: %s", type(exc).__name__, exc, exc_info=True, extra=about(msg.request_id))
+        log.warning("could not start: %s: %s", type(exc).__name__, exc, exc_info=True, extra=about(msg.request_id))
         self._out.append(self._reject(msg, RejectReason.REQUEST_FAILED,
                                       f"the request could not start: {type(exc).__name__}: {exc}"))
 
@@ -279,18 +281,10 @@ class WorkerCore:
         try:  # its sampler and processors are built here: a failure is this request's own
             self.engine.add(msg.request_id, msg.prompt_ids, max_tokens=msg.max_tokens,
                             sampling=msg.sampling, hit=hit, boundaries=msg.boundaries, compiled=compiled)
-        except Exception as exc:
+        except Exception:
             if hit is not None and self.cache is not None:
                 self.cache.release(hit)
-            if is_memory_error(exc):  # no room after all: give MLX's cache back, ask again later
-                log.warning("could not start (%s); re-queued", exc, extra=about(msg.request_id))
-                self.memory.probe.clear_cache()
-                self._out.append(self._reject(msg, RejectReason.NOT_NOW, f"no room now: {exc}"))
-                return
-            log.warning("could not start: %s: %s", type(exc).__name__, exc, extra=about(msg.request_id))
-            self._out.append(self._reject(msg, RejectReason.REQUEST_FAILED,
-                                          f"the request could not start: {type(exc).__name__}: {exc}"))
-            return
+            raise  # refused by _admit_failed
         if self.cache is not None:
             self.cache.record(hit)
         debug = log.isEnabledFor(logging.DEBUG)
@@ -467,7 +461,7 @@ class WorkerCore:
             self.gate.end_step()
             return self._failed(exc)
         try:
-            self._guard(f"a step of {view.rows} rows ({view.prefill_rows} prefilling, chunk "
+            self._guard(lambda: f"a step of {view.rows} rows ({view.prefill_rows} prefilling, chunk "
                         f"{self.chunk_tokens}, scoring {score_tokens}), longest {view.longest} tokens, "
                         f"predicted {predicted} B over the idle and the prompt cache")
         except Exception as exc:  # the step's outputs are sent: rows it finished are out of the batch
@@ -495,7 +489,7 @@ class WorkerCore:
         failure: Exception | None = None
         try:
             self.engine.store_pending()  # the prefix cache's copies: after the measure and the rebase
-            self._guard("the prompt cache's store after a step")
+            self._guard(lambda: "the prompt cache's store after a step")
         except Exception as exc:
             failure = exc
         self.timing.store_s += time.perf_counter() - stored_at  # not the failure's handling below
@@ -504,9 +498,10 @@ class WorkerCore:
     def _failed(self, exc: BaseException) -> list[Output]:
         return self._recover(exc) if is_memory_error(exc) else self._crash(exc)
 
-    def _guard(self, during: str) -> None:
+    def _guard(self, during: Callable[[], str]) -> None:
         """--oom-guard: make a peak above the limit as fatal as Metal makes it. ``during``:
-        what ran, for the message (which charge fell short is the first question)."""
+        what ran, for the message (which charge fell short is the first question); only
+        called then: every step passes here."""
         if self.opts.oom_guard == "off":
             return
         peak = self.memory.probe.step_peak()
@@ -514,7 +509,7 @@ class WorkerCore:
         if peak <= limit:
             return
         held = self.cache.ledger().held_bytes if self.cache is not None else 0
-        reason = (f"OOM guard: step peak {peak} bytes above the limit {limit} bytes during {during}; "
+        reason = (f"OOM guard: step peak {peak} bytes above the limit {limit} bytes during {during()}; "
                   f"MLX idle {self.memory.idle_active_bytes} B, prompt cache {held} B, "
                   f"promised {self.memory.reserved_bytes} B")
         if self.opts.oom_guard == "abort":
