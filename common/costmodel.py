@@ -207,19 +207,11 @@ def request_cost_bytes(m: CostModel, prompt_tokens: int, max_tokens: int, *, sco
     ``scoring`` (prompt logprobs): no prefill chunk but a scoring chunk, beside the row's
     decode once it joined, and the row is as long as ``scored_reach_tokens`` says: what
     ``fits_now`` charges an idle worker, so that what passes here is admitted there."""
-    total = prompt_tokens + max_tokens
     if scoring:
-        total = scored_reach_tokens(prompt_tokens, max_tokens)
-        decode = forward_transient_bytes(m, chunk_tokens=0, context_tokens=0, prefill_rows=0,
-                                         decode_rows=1, decode_context=total)
-        return int(m.scale * (batch_kv_bytes(1, total, m.kv_bytes_per_token) + decode
-                              + growth_spike_bytes(m, 1, total))) \
+        return batch_cost_bytes(m, 1, scored_reach_tokens(prompt_tokens, max_tokens), 0, 0, prompt_tokens) \
             + scoring_step_bytes(m, min(MIN_CHUNK_TOKENS, prompt_tokens), prompt_tokens)
     chunk = min(max(prompt_tokens, 1), MIN_CHUNK_TOKENS, m.prefill_step_tokens)
-    forward = forward_transient_bytes(m, chunk_tokens=chunk, context_tokens=prompt_tokens,
-                                      prefill_rows=1, decode_rows=0, decode_context=0)
-    return int(m.scale * (batch_kv_bytes(1, total, m.kv_bytes_per_token) + forward
-                          + growth_spike_bytes(m, 1, total)))
+    return batch_cost_bytes(m, 1, prompt_tokens + max_tokens, chunk, 1, prompt_tokens)
 
 
 def score_rows_per_pass(vocab_size: int) -> int:
