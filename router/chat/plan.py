@@ -42,6 +42,8 @@ class OutputPlan:
     in_reasoning: bool = False                # the prompt ended inside a thinking block
     grammar: str | None = None
     grammar_param: str | None = None          # the request parameter the grammar enforces
+    forced_call: bool = False                 # the grammar is a tool call (tool_choice)
+    one_call: bool = False                    # parallel tool calls off: the first call only
 
     @property
     def keep_markers(self) -> tuple[str, ...]:
@@ -52,7 +54,8 @@ class OutputPlan:
     def parser(self) -> StreamParser | None:
         if self.tool_format is None and self.think is None:
             return None
-        return make_parser(self.tool_format, self.think, self.in_reasoning)
+        return make_parser(self.tool_format, self.think, self.in_reasoning,
+                           forced=self.forced_call, one_call=self.one_call)
 
 
 def tool_format(tok: TemplateInfo, flag: str) -> str | None:
@@ -91,7 +94,8 @@ def plan_output(parsed: Parsed, tok: TemplateInfo, flag: str, prompt_text: str =
     # Harmony's channels are its syntax, so it is always parsed (even without tools)
     return OutputPlan(tool_format=family if (uses_tools or family == "harmony") else None,
                       think=think, in_reasoning=think is not None and opened, grammar=grammar,
-                      grammar_param=param)
+                      grammar_param=param, forced_call=param == "tools",
+                      one_call=uses_tools and not parsed.tool_choice.parallel)
 
 
 def _close_marker(tok: TemplateInfo, marker: str) -> str:

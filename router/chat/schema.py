@@ -95,10 +95,9 @@ def parse_chat(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Par
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise BadRequest("parallel_tool_calls must be a bool", param="parallel_tool_calls")
+    choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
     return _common(body, "chat", default_max_tokens, max_n, messages=clean, tools=tools,
-                   tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+                   tool_choice=choice,
                    template_kwargs=dict(kwargs or {}),
                    separate_reasoning=_optional(body, "separate_reasoning", bool, True))
 

@@ -18,6 +18,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str          # JSON text, as OpenAI sends it
+    complete: bool = True   # False: the output ended inside the call (its arguments are cut)
 
 
 @dataclass(slots=True)

@@ -38,8 +38,8 @@ def _call_from_object(obj: Any) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
-            return ToolCall(new_call_id(), obj["name"], args)
+        except ValueError:  # cut short (constrained decoding writes whole JSON)
+            return ToolCall(new_call_id(), obj["name"], args, complete=False)
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
@@ -61,6 +61,37 @@ def _json_calls(body: str) -> list[ToolCall] | None:
 
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
+
+
+_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*'
+                       r'(?:,\s*"(?:arguments|parameters)"\s*:\s*)?', re.S)
+_BETWEEN = re.compile(r"[\s\[\],;]*")
+
+
+def _cut_calls(body: str) -> list[ToolCall] | None:
+    """JSON calls the output ended inside: the whole ones, then the cut one once its name is
+    whole, with the arguments written so far (as OpenAI and Anthropic return a call cut by
+    the token limit); None if there is not even a name."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        i = _BETWEEN.match(body, i).end()  # type: ignore[union-attr]
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except ValueError:
+            break
+        if (call := _call_from_object(obj)) is None:
+            return None
+        calls.append(call)
+    if (m := _CUT_NAME.match(body, i)) is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    args = body[m.end():].rstrip()
+    if any(key.startswith(re.sub(r"\s+", "", args)) for key in (',"arguments":', ',"parameters":')):
+        args = ""  # cut inside the key that comes before the arguments
+    return [*calls, ToolCall(new_call_id(), name, args, complete=False)]
 
 
 def _xml_calls(body: str) -> list[ToolCall] | None:
@@ -129,6 +160,12 @@ MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Families whose template writes several calls in one turn, and what it writes between them
+# (Llama 3.x takes one call a turn; Mistral's list and harmony's messages are not forced
+# to more than one).
+PARALLEL_SEPARATORS = {"hermes": '"\\n"', "qwen3_coder": '"\\n"'}
+
+
 def detect_format(template: str | None) -> str | None:
     """The tool-call family a chat template speaks, from its markers; None if it takes none."""
     if not template or "tools" not in template:
@@ -150,8 +187,11 @@ class OutputParser(StreamParser):
     """One choice's text stream → content, reasoning and tool calls (see the module doc)."""
 
     def __init__(self, fmt: Format | None, think: tuple[str, str] | None = None,
-                 in_reasoning: bool = False) -> None:
+                 in_reasoning: bool = False, forced: bool = False, one_call: bool = False) -> None:
         self.fmt = fmt
+        self.forced = forced        # a grammar forces a call: text outside it is markup
+        self.one_call = one_call    # parallel calls off: calls after the first are dropped
+        self._calls = 0
         self.think = think
         self.mode = "reasoning" if think and in_reasoning else "content"
         self.buf = ""
@@ -166,11 +206,14 @@ class OutputParser(StreamParser):
         elif self.mode == "call":
             assert self.fmt is not None
             calls = self.fmt.read(rest)
+            if calls and self.fmt.name == "qwen3_coder" and "</function>" not in rest.rstrip()[-12:]:
+                calls[-1].complete = False  # its reader takes a cut parameter as whole
+            calls = calls or _cut_calls(rest)  # the output ended inside (max_tokens, a stop)
             if calls:
-                out.calls.extend(calls)
-            else:
+                self._emit(out, calls)
+            elif not self.forced:
                 out.content += self.fmt.start + rest
-        else:
+        elif not self.forced:  # forced, what is held back can only be a call marker's start
             out.content += rest
         return out
 
@@ -195,12 +238,18 @@ class OutputParser(StreamParser):
                 return False
             calls = self.fmt.read(self.buf[:len(body)])
             if calls:
-                out.calls.extend(calls)
+                self._emit(out, calls)
             else:  # not a call after all: show it as it was written
                 out.content += self.fmt.start + body + self.fmt.end
             self.buf, self.mode, self._strip = rest, "content", True
             return True
         return self._content(out)
+
+    def _emit(self, out: Delta, calls: list[ToolCall]) -> None:
+        if self.one_call:
+            calls = calls[:max(0, 1 - self._calls)]
+        self._calls += len(calls)
+        out.calls.extend(calls)
 
     def _content(self, out: Delta) -> bool:
         fmt = self.fmt
@@ -231,7 +280,8 @@ class OutputParser(StreamParser):
 
 def call_grammar(fmt_name: str, tools: list[Tool], choice: ToolChoice,
                  special_id: Any = lambda marker: None) -> str:
-    """Lark for the forced call(s): a call to ``choice.name``, or to any tool for ``required``.
+    """Lark for the forced call(s): a call to ``choice.name``, or for ``required`` one or more
+    calls to any tool (one where ``choice.parallel`` is False).
 
     ``special_id(marker)`` gives a marker's special-token id, when it is one, so the grammar
     asks for that token rather than its spelling.
@@ -247,15 +297,23 @@ def call_grammar(fmt_name: str, tools: list[Tool], choice: ToolChoice,
         if fmt_name == "qwen3_coder":
             rules.append(f"xml{i}: {_xml_params(tool, i, rules)}")
     alternatives = " | ".join(f"call{i}" for i in range(len(chosen)))
-    return "\n".join([f"start: {alternatives}", *rules]) + "\n"
+    start = f"start: {alternatives}"
+    if choice.mode == "required" and choice.parallel and fmt_name in PARALLEL_SEPARATORS:
+        # "one or more" calls, as the templates write several (a newline between them)
+        start = f"start: one ({PARALLEL_SEPARATORS[fmt_name]} one)*\none: {alternatives}"
+    return "\n".join([start, *rules]) + "\n"
 
 
 def make_parser(fmt_name: str | None, think: tuple[str, str] | None = None,
-                in_reasoning: bool = False) -> StreamParser:
-    """The parser for one choice of a model whose template speaks ``fmt_name``."""
+                in_reasoning: bool = False, forced: bool = False,
+                one_call: bool = False) -> StreamParser:
+    """The parser for one choice of a model whose template speaks ``fmt_name``; ``forced``
+    when a grammar forces the output to be a call (a cut one then shows no markup),
+    ``one_call`` when parallel calls are off. (Harmony ends its turn at its first call.)"""
     if fmt_name == "harmony":
         return HarmonyParser()
-    return OutputParser(FORMATS[fmt_name] if fmt_name else None, think, in_reasoning)
+    return OutputParser(FORMATS[fmt_name] if fmt_name else None, think, in_reasoning, forced,
+                        one_call)
 
 
 def _markers(template: str, special_id: Any) -> str:

@@ -43,10 +43,12 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """``auto`` (the model decides), ``none``, ``required`` (at least one call) or
-    ``function`` (a call to ``name``)."""
+    ``function`` (a call to ``name``); ``parallel`` False: at most one call
+    (``parallel_tool_calls: false``, Anthropic's ``disable_parallel_tool_use``)."""
 
     mode: str = "auto"
     name: str | None = None
+    parallel: bool = True
 
     @property
     def is_forced(self) -> bool:
@@ -100,15 +102,18 @@ def _tool(t: Any, i: int) -> Tool:
     return Tool(name=name, description=description, parameters=parameters, strict=bool(strict))
 
 
-def parse_tool_choice(value: Any, tools: list[Tool]) -> ToolChoice:
+def parse_tool_choice(value: Any, tools: list[Tool], parallel: Any = None) -> ToolChoice:
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be a bool", param="parallel_tool_calls")
+    parallel = parallel is not False
     if value is None:
-        return ToolChoice("auto" if tools else "none")
+        return ToolChoice("auto" if tools else "none", parallel=parallel)
     if value in ("auto", "none", "required"):
-        choice = ToolChoice(value)
+        choice = ToolChoice(value, parallel=parallel)
     elif (isinstance(value, dict) and value.get("type") == "function"
           and isinstance(value.get("function"), dict)
           and isinstance(value["function"].get("name"), str)):
-        choice = ToolChoice("function", value["function"]["name"])
+        choice = ToolChoice("function", value["function"]["name"], parallel)
         if choice.name not in {t.name for t in tools}:
             raise BadRequest(f"tool_choice names {choice.name!r}, which is not in tools",
                              param="tool_choice")

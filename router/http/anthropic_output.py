@@ -181,6 +181,7 @@ def _tool_input(arguments: str) -> Any:
     try:
         value = json.loads(arguments or "{}")
     except ValueError:
-        log.warning("tool call arguments are not JSON; sent as an empty input: %.200s", arguments)
+        log.debug("tool call arguments are not JSON (cut short?); sent as an empty input: %.200s",
+                  arguments)
         return {}
     return value if isinstance(value, dict) else {"value": value}

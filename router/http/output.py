@@ -108,7 +108,8 @@ class Collector:
         elif event.finish_reason is not None:
             self.finished = True
             self.finish_reason = "length" if event.finish_reason == "length" else "stop"
-        if self.finished and self.calls and self.finish_reason == "stop":
+        if self.finished and self.calls and self.finish_reason == "stop" \
+                and all(c.complete for c in self.calls):  # a stop string may cut a call
             self.finish_reason = "tool_calls"
 
     def _split(self, text: str, ending: bool) -> Delta:

@@ -280,6 +280,35 @@ def test_messages_tool_use_streams_as_input_json_delta(router: Router) -> None:
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_a_forced_call_cut_by_max_tokens_is_a_cut_call_in_every_api(
+        claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    """The limit ends the output inside the call: each API returns the call as far as it was
+    written (OpenAI's cut arguments, Anthropic's incomplete tool_use block), never the
+    template's markup as text. Greedy, so a cut output is a prefix of the whole one, and 12
+    tokens short of it is past the call's name (the closing marker, braces, the enum value)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    ask = {"model": "m", "messages": ASK, "tools": tools, "temperature": 0,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = oai.chat.completions.create(**ask, max_tokens=200)  # type: ignore[call-overload]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    full = whole.choices[0].message.tool_calls[0].function.arguments
+    cut = oai.chat.completions.create(**ask, max_tokens=whole.usage.completion_tokens - 12).choices[0]  # type: ignore[call-overload]
+    assert cut.finish_reason == "length" and not cut.message.content
+    [call] = cut.message.tool_calls
+    assert call.function.name == "get_weather" and full.startswith(call.function.arguments) \
+        and call.function.arguments != full
+
+    ask = {"model": "m", "messages": ASK, "tools": CLAUDE_TOOLS, "extra_body": GREEDY,
+           "tool_choice": {"type": "tool", "name": "get_weather"}}
+    n = claude.messages.create(**ask, max_tokens=200).usage.output_tokens  # type: ignore[arg-type]
+    message = claude.messages.create(**ask, max_tokens=n - 12)  # type: ignore[arg-type]
+    assert message.stop_reason == "max_tokens"
+    assert [(b.type, b.name) for b in message.content] == [("tool_use", "get_weather")]  # type: ignore[union-attr]
+    with claude.messages.stream(**ask, max_tokens=n - 12) as stream:  # type: ignore[arg-type]
+        streamed = stream.get_final_message()
+    assert [b.type for b in streamed.content] == ["tool_use"] and streamed.stop_reason == "max_tokens"
+
+
 def test_messages_tool_result_turn(claude: anthropic.Anthropic) -> None:
     history = [*ASK,
                {"role": "assistant", "content": [

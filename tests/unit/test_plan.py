@@ -164,3 +164,38 @@ def test_inline_reasoning_still_closes_an_opened_thought() -> None:
                        Template(HERMES), "auto", OPENED)
     assert plan.think is None and not plan.in_reasoning
     assert plan.grammar is not None and "</think>" in plan.grammar
+
+
+TWO_CALLS = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n' \
+            '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("body", "calls"), [
+    ({"tool_choice": "required"}, 2),
+    ({"tool_choice": "required", "parallel_tool_calls": False}, 1),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, 1),
+])
+def test_required_means_one_or_more_calls_unless_parallel_calls_are_off(
+        body: dict[str, Any], calls: int) -> None:
+    """OpenAI's ``required``: "call one or more tools"; a named function (as vLLM's) and
+    ``parallel_tool_calls: false`` one."""
+    plan = plan_output(chat(tools=TOOLS, **body), Template(HERMES), "auto", "<|im_start|>assistant\n")
+    assert plan.grammar is not None
+    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(ByteTokenizer())), plan.grammar)
+    one = TWO_CALLS[:TWO_CALLS.index("\n<tool_call>", 1)]
+    assert matcher.consume_tokens(list(one.encode())) and matcher.is_accepting()
+    assert matcher.consume_tokens(list(b"\n<tool_call>")) == (calls == 2)
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_parallel_calls_off_keeps_the_first_call(parallel: bool | None, choice: str) -> None:
+    body = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": parallel}
+    parser = plan_output(chat(**body), Template(HERMES), "auto").parser()
+    assert parser is not None
+    out = parser.feed(TWO_CALLS[:20])
+    out.add(parser.feed(TWO_CALLS[20:]))
+    out.add(parser.finish())
+    assert [c.arguments for c in out.calls] == (['{"a": 1}'] if parallel is False else
+                                                ['{"a": 1}', '{"a": 2}'])
+    assert out.content == ""

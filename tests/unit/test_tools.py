@@ -163,3 +163,41 @@ def test_the_flag_lists_every_family() -> None:
     from common.config import TOOL_PARSERS
 
     assert set(TOOL_PARSERS) == {"auto", "none", *FORMATS}
+
+
+CUT: list[tuple[str, str, list[tuple[str, str, bool]]]] = [
+    # (format, output cut short, [(name, arguments so far, complete)])
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Par',
+     [("get_time", '{"tz": "Europe/Par', False)]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n{"name": "b\\"c", "arguments": ',
+     [("a", "{}", True), ('b"c', "", False)]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n',
+     [("a", '{"x": 1}', True)]),
+    ("qwen3_coder", "<tool_call>\n<function=run>\n<parameter=command>\nls -l",
+     [("run", '{"command": "ls -l"}', False)]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Os', [("get_weather", '{"city": "Os', False)]),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {"a', [("now", '{"a', False)]),
+    ("mistral", '[TOOL_CALLS]now[ARGS]{"a', [("now", '{"a', False)]),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "expected"), CUT, ids=[f"{c[0]}-{i}" for i, c in enumerate(CUT)])
+@pytest.mark.parametrize("chunk", [1, 5, 10_000])
+def test_a_call_cut_short_is_a_call_with_the_arguments_written_so_far(
+        fmt: str, text: str, expected: list[tuple[str, str, bool]], chunk: int) -> None:
+    """max_tokens or a stop string ended the output inside a call: OpenAI and Anthropic return
+    the call (its arguments cut), never the template's markup as text."""
+    out = run(fmt, text, chunk)
+    assert out.content == ""
+    assert [(c.name, c.arguments, c.complete) for c in out.calls] == expected
+
+
+@pytest.mark.parametrize("text", ["<tool_call>\n", '<tool_call>\n{"na', "<tool_call>\nnot json"])
+def test_a_call_cut_before_its_name_is_shown_as_written(text: str) -> None:
+    assert run("hermes", text, 3).content == text and run("hermes", text, 3).calls == []
+
+
+@pytest.mark.parametrize("text", ["<tool", "<tool_call>\n", '<tool_call>\n{"na'])
+def test_a_forced_call_cut_before_its_name_shows_no_markup(text: str) -> None:
+    out = run("hermes", text, 2, forced=True)
+    assert out.content == "" and out.calls == []
