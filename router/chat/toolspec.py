@@ -149,7 +149,9 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
 
 
 def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``, with arguments as objects (what templates expect)."""
+    """An assistant message's ``tool_calls``, with arguments as objects (what templates expect)
+    where they are JSON; arguments that are not (a call cut by ``max_tokens``, which OpenAI
+    returns and clients replay) stay text, as Hermes and Qwen templates render text."""
     if not isinstance(value, list):
         raise BadRequest(f"{param} must be a list", param=param)
     calls = []
@@ -162,8 +164,7 @@ def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
-                raise BadRequest(f"{param}[{j}].function.arguments is not valid JSON",
-                                 param=param) from None
+                pass  # a call cut short, replayed as it came: the template gets the text
         calls.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
                       "type": "function",
                       "function": {"name": fn["name"], "arguments": arguments}})

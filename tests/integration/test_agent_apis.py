@@ -309,6 +309,22 @@ def test_a_forced_call_cut_by_max_tokens_is_a_cut_call_in_every_api(
     assert [b.type for b in streamed.content] == ["tool_use"] and streamed.stop_reason == "max_tokens"
 
 
+def test_a_cut_call_replayed_as_it_came_is_taken(oai: openai.OpenAI) -> None:
+    """An agent sends back the cut call it was given (arguments that are not JSON): the
+    template renders the text, as OpenAI takes it, rather than a 400 on every later turn."""
+    cut = '{"city": "Os'
+    chat = oai.chat.completions.create(model="m", max_tokens=2, extra_body=GREEDY, messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": cut}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "cut short"}])
+    response = oai.responses.create(model="m", max_output_tokens=2, temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": cut},
+        {"type": "function_call_output", "call_id": "call_1", "output": "cut short"}])
+    assert chat.usage is not None and response.usage is not None
+    assert chat.usage.prompt_tokens == response.usage.input_tokens  # the same chat, rendered
+
+
 def test_messages_tool_result_turn(claude: anthropic.Anthropic) -> None:
     history = [*ASK,
                {"role": "assistant", "content": [
