@@ -56,6 +56,7 @@ class Parsed:
     response_format: ResponseFormat | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     separate_reasoning: bool = True            # reasoning text in reasoning_content
+    continue_final: bool = False               # the answer continues the final assistant message
     echo: bool = False                         # a completion's text starts with its prompt
     prompt_logprobs: int | None = None         # vLLM's field: the prompt's logprobs, top k
 
@@ -96,8 +97,15 @@ def parse_chat(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Par
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    # vLLM's extension (and what a Messages request ending with an assistant turn asks)
+    continue_final = _optional(body, "continue_final_message", bool, False)
+    final = clean[-1]
+    if continue_final and not (final.get("role") == "assistant" and not final.get("tool_calls")
+                               and isinstance(final.get("content"), (str, list))):
+        raise BadRequest("continue_final_message needs a final assistant message with content",
+                         param="continue_final_message")
     return _common(body, "chat", default_max_tokens, max_n, messages=clean, tools=tools,
-                   tool_choice=choice,
+                   tool_choice=choice, continue_final=continue_final,
                    template_kwargs=dict(kwargs or {}),
                    separate_reasoning=_optional(body, "separate_reasoning", bool, True))
 

@@ -268,12 +268,18 @@ class RouterTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None, *,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, continue_final: bool = False) -> str:
         """The chat as text: the model's template, or the fallback format without one.
 
         ``tools`` (OpenAI's function shapes) and ``template_kwargs`` (``enable_thinking``
         and the like) are passed to the template, never over the names it is given here.
+        ``continue_final``: the text ends right after the final message's text (no end of
+        turn, no generation prompt), so the model goes on writing it: a prefilled answer.
         """
+        if continue_final:
+            tagged = [*messages[:-1], _tagged(messages[-1])]
+            return _cut_at_tag(self.render_chat(tagged, tools, template_kwargs,
+                                                add_generation_prompt=False))
         chat = _plain_messages(messages)
         if self._template_error is not None:
             raise BadRequest(self._template_error, param="messages")
@@ -410,6 +416,33 @@ def _plain_messages(messages: Any) -> list[dict[str, Any]]:
     if not all(isinstance(m, dict) for m in messages):
         raise BadRequest("each message must be an object", param="messages")
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+# Hugging Face's ``continue_final_message``: the final message's text is tagged, the chat
+# rendered, and the text cut where the tag is (its trailing whitespace kept where the
+# template keeps the tag's own).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            parts = list(content)
+            parts[texts[-1]] = {**parts[texts[-1]], "text": parts[texts[-1]]["text"] + _CONTINUE_TAG}
+            return {**message, "content": parts}
+    elif isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    raise BadRequest("the final assistant message has no text to continue", param="messages")
+
+
+def _cut_at_tag(text: str) -> str:
+    i = text.rfind(_CONTINUE_TAG.strip())
+    if i < 0:
+        raise BadRequest("the final assistant message cannot be continued: the chat template "
+                         "does not write its text", param="messages")
+    return text[:i] if text[i:i + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:i].rstrip()
 
 
 def _content_text(content: Any) -> str:

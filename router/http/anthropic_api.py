@@ -53,6 +53,15 @@ def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
         chat_messages += _message(m, i)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages,
                             "stream": body.get("stream")}
+    final = chat_messages[-1]
+    if final["role"] == "assistant" and "tool_calls" not in final:
+        # A prefilled answer: the response goes on from its text ("If the request input
+        # messages ended with an assistant turn, the response content continues directly
+        # from that last turn"); an empty one is no prefill.
+        if final["content"].strip():
+            chat["continue_final_message"] = True
+        else:
+            chat_messages.pop()
     # ignore_eos: vLLM's extension, as chat completions take it (benchmarks need exact lengths)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos"):
         if body.get(name) is not None:

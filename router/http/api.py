@@ -357,7 +357,8 @@ class Api:
             num_chars = text_chars(parsed.messages) + (text_chars(tools) if tools else 0)
 
             def render_and_encode(messages: list[dict[str, Any]]) -> tuple[list[int], str, list[int]]:
-                text = tokenizer.render_chat(messages, tools, parsed.template_kwargs)
+                text = tokenizer.render_chat(messages, tools, parsed.template_kwargs,
+                                             continue_final=parsed.continue_final)
                 ids = tokenizer.encode_rendered(text)
                 ends = tokenizer.message_boundaries(messages, tools, parsed.template_kwargs, text, ids,
                                                     wanted) if with_boundaries else []

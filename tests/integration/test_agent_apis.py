@@ -128,6 +128,33 @@ def test_stop_sequences(claude: anthropic.Anthropic, chat_answer: Any) -> None:
     assert message.content[0].text == full[:full.index(stop)]  # type: ignore[union-attr]
 
 
+def test_a_final_assistant_turn_is_continued(router: Router, claude: anthropic.Anthropic,
+                                             oai: openai.OpenAI, cache_home: Path) -> None:
+    """A prefilled answer: the prompt ends inside the assistant's turn, as Hugging Face's
+    continue_final_message renders it, and the answer goes on from there."""
+    from transformers import AutoTokenizer
+
+    from worker.demo import demo_folder
+
+    prefill = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"answer": '}]
+    hf = AutoTokenizer.from_pretrained(str(demo_folder(cache_home / "mlx-headroom")), local_files_only=True)
+    want = len(hf.apply_chat_template(prefill, continue_final_message=True, tokenize=True,
+                                      return_dict=False))
+    assert claude.messages.count_tokens(model="m", messages=prefill).input_tokens == want  # type: ignore[arg-type]
+    message = claude.messages.create(model="m", max_tokens=3, messages=prefill, extra_body=GREEDY)  # type: ignore[arg-type]
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == want
+    chat = oai.chat.completions.create(model="m", max_tokens=3, messages=prefill,  # type: ignore[arg-type]
+                                       extra_body={**GREEDY, "continue_final_message": True})
+    assert chat.usage is not None and chat.usage.prompt_tokens == want
+    assert chat.choices[0].message.content == message.content[0].text  # type: ignore[union-attr]
+    empty = [prefill[0], {"role": "assistant", "content": ""}]  # no prefill: a new turn
+    assert claude.messages.count_tokens(model="m", messages=empty).input_tokens == len(  # type: ignore[arg-type]
+        hf.apply_chat_template(empty[:1], add_generation_prompt=True, tokenize=True, return_dict=False))
+    refused = post(router, "/v1/chat/completions", {"model": "m", "max_tokens": 1, "messages": prefill[:1],
+                                                    "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
 def test_max_tokens_missing_is_an_anthropic_400(router: Router) -> None:
     resp = post(router, "/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status_code == 400

@@ -209,6 +209,27 @@ def test_chat_template_renders_chatml(tok: RouterTokenizer, chatml_dir: Path) ->
     assert ids == hf_ids
 
 
+@pytest.mark.parametrize("prefill", ['{"answer": ', "Sure, here  ", "日本"])
+def test_a_final_assistant_message_is_continued_as_transformers_does(
+        tok: RouterTokenizer, chatml_dir: Path, prefill: str) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "JSON?"}, {"role": "assistant", "content": prefill}]
+    text = tok.render_chat(messages, continue_final=True)
+    assert text == f"<|im_start|>user\nJSON?<|im_end|>\n<|im_start|>assistant\n{prefill}"
+    hf = AutoTokenizer.from_pretrained(str(chatml_dir), local_files_only=True)
+    assert text == hf.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+
+
+def test_a_final_message_the_template_does_not_write_cannot_be_continued(
+        make_tokenizer: Callable[..., RouterTokenizer]) -> None:
+    quiet = make_tokenizer({"eos_token": "<|im_end|>",
+                            "chat_template": "{% for m in messages %}{{ m['role'] }}{% endfor %}"})
+    with pytest.raises(BadRequest) as info:
+        quiet.render_chat([{"role": "assistant", "content": "x"}], continue_final=True)
+    assert info.value.param == "messages" and "continued" in info.value.message
+
+
 def test_hf_template_features_render_like_transformers(
     make_tokenizer: Callable[..., RouterTokenizer], chatml_dir: Path
 ) -> None:
