@@ -165,6 +165,9 @@ def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
                 pass  # a call cut short, replayed as it came: the template gets the text
+        elif not isinstance(arguments, dict):
+            raise BadRequest(f"{param}[{j}].function.arguments must be a string",
+                             param=f"{param}[{j}].function.arguments")
         calls.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}",
                       "type": "function",
                       "function": {"name": fn["name"], "arguments": arguments}})
