@@ -89,9 +89,17 @@ class BadRequest(HeadroomError, ValueError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """Prompt plus max_tokens exceed the model's context length. Not recoverable."""
+    """Prompt plus max_tokens exceed the model's context length. Not recoverable.
+
+    ``sizes`` (prompt tokens, max_tokens, the limit), where known: an API whose clients read
+    their own wording of this error (Anthropic's) writes it from them."""
 
     code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 sizes: tuple[int, int, int] | None = None, **extra: Any) -> None:
+        super().__init__(message, param=param, **extra)
+        self.sizes = sizes
 
 
 class InsufficientMemory(BadRequest):

@@ -40,21 +40,26 @@ class WorkerView:
 
 
 def check_ever(model: CostModel, admission: bool, prompt_tokens: int, max_tokens: int, *,
-               scoring: bool = False) -> BadRequest | None:
+               scoring: bool = False, prompt_known: bool = True) -> BadRequest | None:
     """The 400s: over the context, or more memory than an idle worker has (``scoring``:
-    with its prompt's logprobs, whose scoring chunks and scored KV cost more)."""
+    with its prompt's logprobs, whose scoring chunks and scored KV cost more).
+    ``prompt_known`` False: ``prompt_tokens`` is a lower bound (nothing tokenized yet)."""
     total = prompt_tokens + max_tokens
+    prompt = f"{prompt_tokens} prompt tokens" if prompt_known else "at least 1 prompt token"
     if total > model.context_length:
         return ContextLengthExceeded(
             f"this model's maximum context length is {model.context_length} tokens; the "
-            f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens} "
-            f"({total} in all)", param="messages" if prompt_tokens > max_tokens else "max_tokens")
+            f"request has {prompt} and max_tokens {max_tokens} "
+            f"({total}{'' if prompt_known else ' or more'} in all)",
+            param="messages" if prompt_tokens > max_tokens else "max_tokens",
+            sizes=(prompt_tokens, max_tokens, model.context_length))
     if admission and costmodel.never_fits(model, prompt_tokens, max_tokens, scoring=scoring):
         limit = costmodel.max_request_tokens(model, scoring=scoring)
         scored = " with its prompt's logprobs" if scoring else ""
+        prompt = f"prompt {prompt_tokens}" if prompt_known else "a prompt of at least 1"
         return InsufficientMemory(
-            f"the request needs more memory than the worker has even when idle: prompt "
-            f"{prompt_tokens} + max_tokens {max_tokens} tokens{scored}; at most {limit} fit",
+            f"the request needs more memory than the worker has even when idle: {prompt} "
+            f"+ max_tokens {max_tokens} tokens{scored}; at most {limit} fit",
             param="max_tokens",
             needed_bytes=costmodel.request_cost_bytes(model, prompt_tokens, max_tokens, scoring=scoring),
             max_request_tokens=limit)
@@ -82,7 +87,7 @@ def room_left(model: CostModel | None, admission: bool, prompt_tokens: int, ceil
 
 def check_max_tokens_only(model: CostModel, admission: bool, max_tokens: int) -> BadRequest | None:
     """Before tokenizing anything: a prompt has at least one token, so this bound is safe."""
-    return check_ever(model, admission, 1, max_tokens)
+    return check_ever(model, admission, 1, max_tokens, prompt_known=False)
 
 
 def can_dispatch(view: WorkerView, in_flight_totals: list[int], prompt_tokens: int,

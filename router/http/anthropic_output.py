@@ -17,7 +17,7 @@ import json
 import logging
 from typing import Any
 
-from common.errors import HeadroomError
+from common.errors import ContextLengthExceeded, HeadroomError
 from router.http.output import Collector, sse
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,16 @@ def error_body(exc: HeadroomError) -> dict[str, Any]:
     by router/http/api.py's middleware for HTTP errors and by the stream's ``error`` event."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     message = exc.message
-    if exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields
+    if isinstance(exc, ContextLengthExceeded) and exc.sizes is not None:
+        # Anthropic's own wording, which clients parse: Claude Code retries the first with
+        # a max_tokens that fits, and agents compact their context on the second.
+        prompt, max_tokens, limit = exc.sizes
+        if prompt > limit:
+            message = f"prompt is too long: {prompt} tokens > {limit} maximum"
+        else:
+            message = (f"input length and `max_tokens` exceed context limit: {prompt} + "
+                       f"{max_tokens} > {limit}, decrease input length or `max_tokens` and try again")
+    elif exc.extra:  # the numbers behind a never-fits refusal, which OpenAI's shape has as fields
         message += " (" + ", ".join(f"{k} {v}" for k, v in exc.extra.items()) + ")"
     return {"type": "error", "error": {"type": kind, "message": message}}
 

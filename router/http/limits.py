@@ -83,7 +83,8 @@ def check_prompt_tokens(num_tokens: int, limits: Limits, param: str) -> None:
     if limits.max_prompt_tokens is not None and num_tokens > limits.max_prompt_tokens:
         raise ContextLengthExceeded(
             f"the prompt has {num_tokens} tokens; this server takes at most "
-            f"{limits.max_prompt_tokens} (--max-prompt-tokens)", param=param)
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens)", param=param,
+            sizes=(num_tokens, 0, limits.max_prompt_tokens))
 
 
 def _check_schema(value: Any, param: str, limits: Limits) -> None:

@@ -106,6 +106,16 @@ def test_check_max_tokens_only() -> None:
     assert check_max_tokens_only(m, True, 999) is None
     assert isinstance(check_max_tokens_only(m, True, 1000), ContextLengthExceeded)
     assert isinstance(check_max_tokens_only(make_model(budget_bytes=0), True, 1), InsufficientMemory)
+    # Before tokenizing, the prompt's size is a lower bound, and said to be one
+    error = check_max_tokens_only(m, True, 5000)
+    assert error is not None and "at least 1 prompt token" in error.message
+    assert "1 prompt tokens" not in error.message
+
+
+def test_context_length_carries_its_sizes() -> None:
+    error = check_ever(make_model(context_length=4096), False, 296, 4000)
+    assert isinstance(error, ContextLengthExceeded) and error.sizes == (296, 4000, 4096)
+    assert "296 prompt tokens" in error.message
 
 
 @FAST

@@ -4,6 +4,7 @@ event sequence, and the error tree in Anthropic's shape. Pure: no processes."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic
@@ -13,7 +14,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from common.errors import (
-    BadRequest, HeadroomError, InsufficientMemory, ModelNotFound, NoWorker, QueueFull,
+    BadRequest, ContextLengthExceeded, HeadroomError, InsufficientMemory, ModelNotFound, NoWorker, QueueFull,
     QueueTimeout, Unauthorized, WorkerLost,
 )
 from router.http.anthropic_output import MessagesPresenter, error_body
@@ -195,3 +196,18 @@ def test_thinking_blocks_parse_with_the_official_sdk() -> None:
     deltas = [e.delta for e in seq if isinstance(e, anthropic_types.RawContentBlockDeltaEvent) and e.index == 0]
     assert [type(d) for d in deltas] == [anthropic_types.ThinkingDelta, anthropic_types.SignatureDelta]
     assert isinstance(seq[4], anthropic_types.RawContentBlockStopEvent) and seq[4].index == 0
+
+
+
+CLAUDE_CODE_OVERFLOW = r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)"
+
+
+def test_context_overflow_is_worded_as_anthropic_words_it() -> None:
+    """Claude Code parses the first wording and retries with a max_tokens that fits; agents
+    look for the second to compact their context."""
+    over = ContextLengthExceeded("296 + 4000 over 4096", sizes=(296, 4000, 4096))
+    m = re.search(CLAUDE_CODE_OVERFLOW, error_body(over)["error"]["message"])
+    assert m is not None and m.groups() == ("296", "4000", "4096")
+    too_long = ContextLengthExceeded("14016 over 4096", sizes=(14016, 10, 4096))
+    assert error_body(too_long)["error"]["message"] == "prompt is too long: 14016 tokens > 4096 maximum"
+    assert error_body(ContextLengthExceeded("plain"))["error"]["message"] == "plain"
