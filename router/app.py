@@ -196,6 +196,7 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_post("/v1/responses", Responses(api).create)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model_id:.+}", api.model)
     app.router.add_get("/health", views.health)
     app.router.add_get("/v1/memory", views.memory)
     app.router.add_get("/metrics", views.metrics_text)

@@ -131,15 +131,25 @@ class Api:
         self.respond = Responder(cancel=dispatcher.cancel, limits=limits, metrics=metrics)
 
     async def models(self, request: web.Request) -> web.Response:
-        # OpenAI's list and Anthropic's in one body: each client reads its fields, ignores the
-        # rest; ``state`` and ``memory`` say what is loaded and what it holds.
-        data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": "headroom",
-                 "type": "model", "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z",
-                 **{k: v for k, v in m.items() if k != "id"}}
-                for m in self.fleet.describe_models()]
+        data = self._model_entries()
         return web.json_response({"object": "list", "data": data, "has_more": False,
                                   "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model by name (OpenAI's and Anthropic's retrieve), resolved as a request's
+        ``model`` is: with one model served, any name is it."""
+        served = self._resolve(request.match_info["model_id"])
+        [entry] = [m for m in self._model_entries() if m["id"] == served.spec.alias]
+        return web.json_response(entry)
+
+    def _model_entries(self) -> list[dict[str, Any]]:
+        # OpenAI's model object and Anthropic's in one: each client reads its fields, ignores
+        # the rest; ``state`` and ``memory`` say what is loaded and what it holds.
+        return [{"id": m["id"], "object": "model", "created": 0, "owned_by": "headroom",
+                 "type": "model", "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z",
+                 **{k: v for k, v in m.items() if k != "id"}}
+                for m in self.fleet.describe_models()]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, COMPLETIONS)
@@ -218,12 +228,16 @@ class Api:
         return body
 
     def _served(self, name: str) -> Served:
+        served = self._resolve(name)
+        bind_model(served.spec.alias)
+        return served
+
+    def _resolve(self, name: str) -> Served:
         served = self.fleet.resolve(name)
         if served is None:
             known = ", ".join(sorted(self.fleet.models))
             raise ModelNotFound(f"the model {name!r} does not exist here; served: {known}",
                                 param="model")
-        bind_model(served.spec.alias)
         return served
 
     def preload_tokenizer(self, hello: Hello) -> None:

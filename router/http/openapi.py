@@ -72,6 +72,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                     {**json_of("Response"), SSE: {"schema": ref("SseEvent")}})},
              request="ResponsesRequest", errors=GENERATION_ERRORS),
     Endpoint("get", "/v1/models", "The served model", {200: ("Models", json_of("ModelList"))}),
+    Endpoint("get", "/v1/models/{model_id}", "One model by name (with one model served, any name)",
+             {200: ("The model", json_of("Model"))}, errors=(401, 403, 404),
+             path_params={"model_id": {"type": "string"}}),
     Endpoint("get", "/v1/memory", "The worker's latest memory report",
              {200: ("Memory", json_of("Memory"))}, tags=("status",)),
     Endpoint("post", "/admin/workers/restart", "Restart the worker and forget its crash history",
@@ -252,10 +255,9 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
                      "One server-sent event: a chunk as JSON, an error event, or [DONE]",
                      "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
-                                                "properties": {"id": {"type": "string"},
-                                                               "object": {"const": "model"}}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}},
+        "Model": {"type": "object", "required": ["id", "object"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"}}},
         "Health": {"type": "object", "required": ["status", "workers"], "properties": {
             "status": {"type": "string"}, "model": {"type": "string"},
             "queued": {"type": "integer", "minimum": 0},

@@ -264,6 +264,8 @@ def test_models_list_reads_in_both_clients(claude: anthropic.Anthropic, oai: ope
     [served] = list(claude.models.list())
     assert served.id == "demo" and served.type == "model"
     assert [m.id for m in oai.models.list()] == ["demo"]
+    # Retrieved by name, as a request's model is resolved: with one model, any name is it
+    assert oai.models.retrieve("demo").id == claude.models.retrieve("claude-sonnet-4-5").id == "demo"
 
 
 # -- tools and structured output (constrained by the worker's grammar: the demo model's

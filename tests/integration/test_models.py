@@ -126,6 +126,9 @@ def test_unknown_model_is_404_in_each_api_s_shape(two: Router) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         two.client().chat.completions.create(model="gamma", messages=[{"role": "user", "content": "x"}])
     assert info.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        two.client().models.retrieve("gamma")
+    assert two.client().models.retrieve("beta").id == "beta"
     r = two.http.post("/v1/messages", json={"model": "gamma", "max_tokens": 4,
                                             "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404
