@@ -69,12 +69,15 @@ class Collector:
         self.parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[LogprobRow] = []
+        self.token_offsets: list[int] = []   # where each token's text starts in ``text``
         self._delta_logprobs: list[tuple[int, LogprobRow]] = []
         # The echoed prompt is text the answer starts with, before any stop string or parser.
         self._echo_unsent = shown is not None and shown.echo is not None
+        self._chars = 0                 # characters the detokenizer gave, and the echo
         if shown is not None and shown.echo is not None:
             self.parts.append(shown.echo)
             self._delta_parsed.content = shown.echo
+            self._chars = len(shown.echo)
 
     def feed(self, event: TokenEvent) -> None:
         if self.finished:
@@ -88,13 +91,20 @@ class Collector:
             raise ValueError("the worker sent no prompt logprobs (a worker older than this router?)")
         self.completion_tokens += len(event.token_ids)
         if event.logprobs is not None:
+            # One token at a time, for each one's text_offset: a token that is a piece of
+            # a character starts where the character does (its text comes with the last piece).
+            text = ""
             for token, row in zip(event.token_ids, event.logprobs):
                 self.token_ids.append(token)
                 self.logprobs.append(row)
                 self._delta_logprobs.append((token, row))
-        text = self.detokenizer.add(event.token_ids)
+                self.token_offsets.append(self._chars + len(text))
+                text += self.detokenizer.add([token])
+        else:
+            text = self.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
             text += self.detokenizer.flush()
+        self._chars += len(text)
         stopped = False
         if self.stops is not None:
             text, stopped = self.stops.feed(text)
@@ -212,12 +222,14 @@ class Formatter:
         return body
 
     def chunks(self, c: Collector, delta: Delta, logprobs: list[tuple[int, LogprobRow]],
-               text_offset: int = 0, echo: bool = False) -> list[dict[str, Any]]:
+               echo: bool = False) -> list[dict[str, Any]]:
         """The stream chunks for what one choice added: its text (and reasoning) first,
         then each new tool call as two chunks, its id and name, then its arguments.
-        ``echo``: the text starts with the echoed prompt (its logprobs go first)."""
+        ``logprobs``: the newest tokens' rows. ``echo``: the text starts with the echoed
+        prompt (its logprobs go first)."""
         index = c.index
-        lp = self._logprobs(c, logprobs, text_offset, echo) if self.wants_logprobs else None
+        offsets = c.token_offsets[len(c.token_offsets) - len(logprobs):]
+        lp = self._logprobs(c, logprobs, offsets, echo) if self.wants_logprobs else None
         if not self.chat:
             if not delta.content and not logprobs and not echo:
                 return []
@@ -263,7 +275,8 @@ class Formatter:
         choices = []
         for c in collectors:
             echo = c.shown is not None and c.shown.echo is not None
-            lp = self._logprobs(c, list(zip(c.token_ids, c.logprobs)), 0, echo) if self.wants_logprobs else None
+            lp = self._logprobs(c, list(zip(c.token_ids, c.logprobs)), c.token_offsets, echo) \
+                if self.wants_logprobs else None
             if self.chat:
                 choices.append({"index": c.index, "message": self._message(c), "logprobs": lp,
                                 "finish_reason": c.finish_reason})
@@ -289,13 +302,13 @@ class Formatter:
                  "function": {"name": t.name, "arguments": t.arguments}} for t in c.calls]
         return message
 
-    def _logprobs(self, c: Collector, rows: list[tuple[int, LogprobRow]], text_offset: int,
+    def _logprobs(self, c: Collector, rows: list[tuple[int, LogprobRow]], offsets: list[int],
                   echo: bool = False) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._chat_entry(token, row) for token, row in rows], "refusal": None}
         if echo:
-            return self._with_echo(c, rows, text_offset)
-        return self._completion_logprobs(rows, text_offset)
+            return self._with_echo(c, rows, offsets)
+        return self._completion_logprobs(rows, offsets)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         raw = self.token_bytes(token)
@@ -307,18 +320,17 @@ class Formatter:
         entry["top_logprobs"] = [self._entry(t, v) for t, v in zip(top_ids, top_lps)]
         return entry
 
-    def _completion_logprobs(self, rows: list[tuple[int, LogprobRow]], offset: int) -> dict[str, Any]:
-        """Legacy shape: the top dict holds the k most likely and always the sampled token."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+    def _completion_logprobs(self, rows: list[tuple[int, LogprobRow]], offsets: list[int]) -> dict[str, Any]:
+        """Legacy shape: the top dict holds the k most likely and always the sampled token;
+        ``offsets``: where each token starts in the choice's text."""
+        tokens, token_logprobs, tops = [], [], []
         for token, (logprob, top_ids, top_lps) in rows:
             text = self._text(token)
             tokens.append(text)
             token_logprobs.append(logprob)
             tops.append(self._top(text, logprob, top_ids, top_lps))
-            offsets.append(offset)
-            offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}
+                "text_offset": list(offsets)}
 
     def _text(self, token: int) -> str:
         return token_text(self.token_bytes(token))
@@ -328,7 +340,7 @@ class Formatter:
         top.setdefault(text, logprob)
         return top
 
-    def _with_echo(self, c: Collector, rows: list[tuple[int, LogprobRow]], text_offset: int) -> dict[str, Any]:
+    def _with_echo(self, c: Collector, rows: list[tuple[int, LogprobRow]], offsets: list[int]) -> dict[str, Any]:
         """A completion's logprobs whose text starts with the echoed prompt: the prompt's
         tokens (the first has no logprob: ``null``), at their offsets in the echoed text,
         then the new ones after it."""
@@ -342,7 +354,7 @@ class Formatter:
             out["tokens"].append(text)
             out["token_logprobs"].append(row[0] if row else None)
             out["top_logprobs"].append(self._top(text, row[0], row[1][:k], row[2][:k]) if row else None)
-        new = self._completion_logprobs(rows, text_offset + len(c.shown.echo))
+        new = self._completion_logprobs(rows, offsets)
         return {key: out[key] + new[key] for key in out}
 
     def _prompt_logprobs(self, c: Collector) -> list[dict[str, Any] | None]:
@@ -406,7 +418,7 @@ class ChatPresenter:
     def delta(self, c: Collector) -> bytes:
         delta, logprobs = c.take_delta()
         out = b"".join(sse(chunk) for chunk in
-                       self.fmt.chunks(c, delta, logprobs, len(c.text) - len(delta.content), c.take_echo()))
+                       self.fmt.chunks(c, delta, logprobs, c.take_echo()))
         return out + sse(self.fmt.final_chunk(c)) if c.finished else out
 
     def keepalive(self) -> bytes:

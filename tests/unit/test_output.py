@@ -135,3 +135,48 @@ def test_an_answer_without_the_scores_it_asked_for_is_the_requests_failure() -> 
 
 def chunks(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(block.removeprefix("data: ")) for block in raw.decode().split("\n\n") if block]
+
+
+class Utf8Detokenizer:
+    """Token n is the byte n: a character of several bytes comes with its last one."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def add(self, ids: list[int]) -> str:
+        self.pending += bytes(ids)
+        for cut in range(len(self.pending), -1, -1):
+            try:
+                text = self.pending[:cut].decode()
+            except UnicodeDecodeError:
+                continue
+            self.pending = self.pending[cut:]
+            return text
+        return ""
+
+    def flush(self) -> str:
+        text, self.pending = self.pending.decode(errors="replace"), b""
+        return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_that_is_a_piece_of_a_character_starts_where_the_character_does(stream: bool) -> None:
+    """Each text_offset is where its token starts in the text, whatever the token's own
+    spelling (a byte token's is longer than the character it is part of)."""
+    parsed = completion(logprobs=0, max_tokens=5, stream=stream)
+    text = "é!日"  # bytes: c3 a9 | 21 | e6 97 a5
+    ids = list(text.encode())
+    rows = [[-0.1, [t], [-0.1]] for t in ids]
+    fmt = Formatter(parsed, "cmpl-1", "demo", lambda t: bytes([t]))
+    c = Collector(Utf8Detokenizer(), [], 1)  # type: ignore[arg-type]
+    offsets: list[int] = []
+    for i in range(0, len(ids), 2):  # events of two tokens, as a batch step may bring
+        c.feed(TokenEvent(ids[i:i + 2], "length" if i + 2 >= len(ids) else None, rows[i:i + 2]))
+        if stream:
+            delta, logprobs = c.take_delta()
+            for chunk in fmt.chunks(c, delta, logprobs):
+                offsets += chunk["choices"][0]["logprobs"]["text_offset"]
+    if not stream:
+        offsets = fmt.full([c], 1)["choices"][0]["logprobs"]["text_offset"]
+    assert c.text == text
+    assert offsets == [0, 0, 1, 2, 2, 2]
