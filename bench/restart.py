@@ -4,7 +4,9 @@ A router on the demo model (or ``--model``, with ``--router-arg`` flags; from th
 ``--root``, default this one), then, after ``--idle-s`` (1 s) idle and once the worker's
 standby has finished its imports (unless ``--no-wait-standby``), each: an operator
 restart (``POST /admin/workers/restart``) and a SIGKILL of the worker, twice: seconds until
-the old process is gone and until the new worker serves a completion, and the new worker's
+the old process is gone and until the new worker serves a completion (its first token),
+that first request's time to first token against the median of the next three (a worker
+that warmed its kernels before it said ready is as quick on its first), and the new worker's
 start by phase from its log (from a standby or a new process; imports, weights, EOS ids,
 calibration and boot, warm start); then a stop, and whether the router's log shows a kill
 or a heartbeat warning. Two checkouts run back to back on one machine give the before
@@ -19,6 +21,7 @@ import os
 import re
 import signal
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,10 +131,15 @@ def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[s
                 return h.get("status") == "ok" and h["workers"][0]["pid"] != old
 
             _wait("restarted worker", serving, READY_S)
-            status = http.post("/v1/completions", json={"model": "m", "prompt": "after", "max_tokens": 4}).status_code
+            status, first = _first_token_s(http, f"after {how} {len(rows)}")
+            serving_s = time.monotonic() - started
+            # A warmed worker's first request is as quick as its next ones
+            warm = statistics.median(_first_token_s(http, f"warm {len(rows)} {i}")[1] for i in range(3))
             rows.append({"how": how, "standby_waited_s": standby_s,
                          "old_gone_s": round(gone_s[0], 3) if gone_s else None,
-                         "serving_s": round(time.monotonic() - started, 2), "status": status,
+                         "serving_s": round(serving_s, 2), "status": status,
+                         "first_ttft_s": round(first, 3), "warm_ttft_s": round(warm, 3),
+                         "first_over_warm": round(first / warm, 2) if warm else None,
                          "pid": health()["workers"][0]["pid"]})
     finally:
         http.close()
@@ -145,6 +153,17 @@ def measure(root: Path, run_dir: Path, model: str = "demo", router_args: tuple[s
             # A SIGKILLed worker is sent a heartbeat or two before its exit is seen: only
             # those after a restart or the stop would be a normal stop's.
             "heartbeat_warnings": [line for line in lines if "Host unreachable" in line]}
+
+
+def _first_token_s(http: httpx.Client, prompt: str) -> tuple[int, float]:
+    """A streamed completion's status and its time to first token (to its end if none)."""
+    started = time.monotonic()
+    with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4,
+                                                       "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break
+        return response.status_code, time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
