@@ -106,11 +106,12 @@ def test_two_models_answer_by_name_and_are_listed(two: Router) -> None:
     a, b = complete(two, "alpha"), complete(two, "beta")
     assert a != b, "two different models must answer differently"
     assert complete(two, "alpha") == a and complete(two, "beta") == b
+    # Read at once: beta's worker may exit 1 s (its keep-alive) after its answer.
+    page = two.http.get("/status").json()
     listed = {m["id"]: m for m in two.http.get("/v1/models").json()["data"]}
     assert set(listed) == {"alpha", "beta"} and listed["alpha"]["pinned"]
     assert listed["alpha"]["memory"]["weights_bytes"] > 0
     # The status page's data (and `mlx-router status`) list both, and each worker's model.
-    page = two.http.get("/status").json()
     assert {m["id"]: m["pinned"] for m in page["models"]} == {"alpha": True, "beta": False}
     assert {w["model"] for w in page["workers"]} == {"alpha", "beta"}
     assert all("source" not in m for m in page["models"])

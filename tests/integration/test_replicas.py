@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,14 @@ def ready_workers(router: Router) -> list[dict[str, Any]] | None:
     return workers if len(workers) == 2 else None
 
 
-def more_chunks(stream: Any, n: int) -> str:
+def drain(stream: Any, counts: list[int], i: int, stop: threading.Event) -> str:
+    """Read a stream as it comes (so no chunks pile up unread) until it fails or ``stop``."""
     try:
-        for _ in range(n):
-            next(stream)
-        return "ok"
+        for _ in stream:
+            counts[i] += 1
+            if stop.is_set():
+                return "ok"
+        return "ended"
     except openai.APIError:
         return "error"
 
@@ -44,14 +48,22 @@ def test_two_replicas_share_the_load_and_die_alone(fresh_router: Callable[..., R
         next(it)
     running = sorted(w["running"] for w in router.health()["workers"])
     assert running == [2, 2], "four streams over two workers of two rows each"
+    counts, stop = [0] * len(iters), threading.Event()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        readers = [pool.submit(drain, it, counts, i, stop) for i, it in enumerate(iters)]
         # Two more wait in the queue: both workers are full.
         queued = [pool.submit(client.completions.create, model="m", prompt="q", max_tokens=4, extra_body=NO_EOS)
                   for _ in range(2)]
         wait_until(lambda: router.health().get("queued") == 2, 10, "two queued requests")
         victim = router.health()["workers"][0]
         os.kill(victim["pid"], signal.SIGKILL)
-        outcomes = sorted(pool.map(lambda it: more_chunks(it, 300), iters))
+        wait_until(lambda: sum(r.done() for r in readers) >= 2, 30, "the dead worker's streams end",
+                   on_fail=router.log)
+        going = {i: counts[i] for i, r in enumerate(readers) if not r.done()}
+        wait_until(lambda: all(counts[i] >= n + 50 for i, n in going.items()), 30,
+                   "the other worker's streams go on", on_fail=router.log)
+        stop.set()
+        outcomes = sorted(r.result(timeout=30) for r in readers)
         assert outcomes == ["error", "error", "ok", "ok"], "the dead worker's streams end, the other's go on"
         for stream in streams:
             stream.close()
