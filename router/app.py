@@ -22,7 +22,7 @@ from router.fleet.fleet import Fleet
 from router.fleet.models import ModelSpec, build_catalog, check_pins
 from router.fleet.placement import lease_mb
 from router.fleet.supervisor import SpawnSpec
-from router.http import anthropic_output
+from router.http import anthropic_output, responses_output
 from router.http.anthropic_api import Messages
 from router.http.api import Api
 from router.http.http_errors import make_error_middleware
@@ -156,7 +156,8 @@ def make_app(cfg: RouterConfig, addr: str, env: Mapping[str, str], *,
                                        resource.canonical if resource else "-", exc)
 
     # Each API answers errors in its own shape; OpenAI's is the default.
-    errors = make_error_middleware({"/v1/messages": anthropic_output.error_body})
+    errors = make_error_middleware({"/v1/messages": anthropic_output.error_body,
+                                    "/v1/responses": responses_output.error_body})
     app = web.Application(middlewares=[RequestIds().middleware, errors,
                                        access.make_access_middleware(policy, note_refusal)],
                           client_max_size=cfg.max_body_bytes)

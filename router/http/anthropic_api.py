@@ -63,6 +63,10 @@ def to_chat(body: Any, *, require_max_tokens: bool = True) -> dict[str, Any]:
         else:
             chat_messages.pop()
     # ignore_eos: vLLM's extension, as chat completions take it (benchmarks need exact lengths)
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and not 0 <= temperature <= 1:  # Anthropic's range (chat's goes to 2)
+        raise BadRequest("temperature must be between 0 and 1", param="temperature")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos"):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -119,8 +123,10 @@ def _system(system: Any) -> list[dict[str, Any]]:
 
 def _text(block: Any, param: str) -> str:
     """A text block's text (cache_control and citations dropped)."""
-    if not (isinstance(block, dict) and block.get("type") == "text"
-            and isinstance(block.get("text"), str)):
+    kind = block.get("type") if isinstance(block, dict) else None
+    if isinstance(kind, str) and kind != "text":  # an image in a tool result, say
+        raise BadRequest(f"{param}: {kind!r} blocks are not supported here (text only)", param=param)
+    if not (kind == "text" and isinstance(block.get("text"), str)):
         raise BadRequest(f"{param} must be a text block", param=param)
     return str(block["text"])
 

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from common.errors import ContextLengthExceeded, HeadroomError
+from router.http.http_errors import renamed
 from router.http.output import Collector, sse
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,18 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                429: "rate_limit_error", 503: "overloaded_error"}
 
 
+# Chat's field names in errors, as Messages names them (its request is checked as a chat's).
+NAMES = ((r"\bstop(?= must)", "stop_sequences"),
+         (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+         (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
+         (r"\bresponse_format\b", "output_config.format"))
+
+
 def error_body(exc: HeadroomError) -> dict[str, Any]:
     """Anthropic's error shape for any error of the tree: the API's one error mapping, used
     by router/http/api.py's middleware for HTTP errors and by the stream's ``error`` event."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    message = exc.message
+    message = renamed(exc, NAMES).message
     if isinstance(exc, ContextLengthExceeded) and exc.sizes is not None:
         # Anthropic's own wording, which clients parse: Claude Code retries the first with
         # a max_tokens that fits, and agents compact their context on the second.

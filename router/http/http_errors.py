@@ -9,8 +9,10 @@ troubles reach the client only as "internal server error"; their detail goes to 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -67,6 +69,22 @@ def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
                                  headers=error_headers(error))
 
     return error_middleware
+
+
+def renamed(exc: HeadroomError, names: Sequence[tuple[str, str]]) -> HeadroomError:
+    """``exc`` with the fields it names (message and ``param``) as another API names them:
+    ``names`` are (pattern, replacement) pairs. A Messages or Responses request is checked
+    as the chat request it translates to, so its errors name chat's fields."""
+    message = exc.message
+    param = exc.param
+    for pattern, replacement in names:
+        message = re.sub(pattern, replacement, message)
+        param = re.sub(pattern, replacement, param) if param is not None else None
+    if message == exc.message and param == exc.param:
+        return exc
+    out = copy.copy(exc)
+    out.message, out.param, out.args = message, param, (message,)
+    return out
 
 
 # Every error in OpenAI's shape (the app adds the other APIs' shapes by path prefix).

@@ -17,6 +17,7 @@ from aiohttp import web
 from common.log import bind_request
 
 HEADER = "X-Request-Id"
+ANTHROPIC_HEADER = "request-id"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 KEY = "request_id"  # where the handler finds it: request[KEY]
 # Printable, no spaces, quotes or slashes: safe in a header, a log line and a JSON id.
@@ -67,3 +68,5 @@ async def add_header(request: web.Request, response: web.StreamResponse) -> None
     request_id = request.get(KEY)
     if request_id is not None:
         response.headers[HEADER] = request_id
+        if request.path.startswith("/v1/messages"):  # where the anthropic client reads it
+            response.headers[ANTHROPIC_HEADER] = request_id

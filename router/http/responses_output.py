@@ -16,7 +16,20 @@ import time
 from typing import Any
 
 from common.errors import HeadroomError
+from router.http.http_errors import renamed
 from router.http.output import Collector, sse
+
+# Chat's field names in errors, as Responses names them (its request is checked as a chat's;
+# its input items are not chat's messages one for one, so no index is kept).
+NAMES = ((r"\bmax_tokens\b", "max_output_tokens"),
+         (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
+         (r"\bresponse_format\b", "text.format"),
+         (r"\bmessages(\[\d+\])?", "input"))
+
+
+def error_body(exc: HeadroomError) -> dict[str, Any]:
+    """The OpenAI error shape, with the fields named as Responses names them."""
+    return renamed(exc, NAMES).to_body()
 
 KEEPALIVE = b": keepalive\n\n"
 
@@ -172,6 +185,7 @@ class ResponsesPresenter:
 
     def error(self, exc: HeadroomError) -> bytes:
         failed = self._response("failed", error={"code": exc.code, "message": exc.message})
+        exc = renamed(exc, NAMES)
         return (self._start()
                 + self._event("error", code=exc.code, message=exc.message, param=exc.param)
                 + self._event("response.failed", response=failed))

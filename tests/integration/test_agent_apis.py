@@ -172,12 +172,13 @@ def test_x_api_key_and_bearer_auth(router: Router, claude: anthropic.Anthropic) 
     # Greedy: at temperature 1 the demo model's first token is its end one time in ~2,000.
     hello = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     with anthropic.Anthropic(base_url=router.url, auth_token=KEY, max_retries=0) as bearer:
-        assert bearer.messages.create(**hello, extra_body=GREEDY).usage.output_tokens >= 1  # type: ignore[arg-type]
+        answer = bearer.messages.create(**hello, extra_body=GREEDY)  # type: ignore[arg-type]
+        assert answer.usage.output_tokens >= 1 and answer._request_id
     assert claude.messages.create(**hello, extra_body=GREEDY).usage.output_tokens >= 1  # type: ignore[arg-type]
     with anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0) as wrong, \
             pytest.raises(anthropic.AuthenticationError) as info:
         wrong.messages.create(**hello)  # type: ignore[arg-type]
-    assert info.value.status_code == 401
+    assert info.value.status_code == 401 and info.value.request_id  # its request-id header
     assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     resp = router.http.post("/v1/messages/count_tokens", json=hello, headers={"x-api-key": "sk-no"})
     assert resp.status_code == 401 and resp.json()["type"] == "error"

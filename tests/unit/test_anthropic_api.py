@@ -11,6 +11,7 @@ import pytest
 
 from common.errors import BadRequest
 from router.http.anthropic_api import parse_messages, to_chat
+from router.http.anthropic_output import error_body
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 USER = [{"role": "user", "content": "hi"}]
@@ -164,3 +165,21 @@ def test_thinking_switches_the_template_and_replayed_thinking_is_reasoning() -> 
         {"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "Hi."}]}
     assert to_chat(body(messages=[*USER, turn]))["messages"][-1] == {
         "role": "assistant", "content": "Hi.", "reasoning_content": "Hm."}
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, None, "stop_sequences must be"),
+    ({"tools": [{"name": "x" * 65, "input_schema": {"type": "object"}}]}, None, "tools[0].name must be"),
+    ({"temperature": 1.5}, "temperature", "between 0 and 1"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}]},
+     None, "'image' blocks are not supported"),
+])
+def test_refusals_name_the_fields_as_messages_names_them(body: dict[str, Any], param: str | None,
+                                                         words: str) -> None:
+    request = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(BadRequest) as info:
+        parse_messages(request, None)
+    message = error_body(info.value)["error"]["message"]
+    assert words in message and "function" not in message, message
+    assert param is None or info.value.param == param

@@ -141,3 +141,20 @@ def test_replayed_reasoning_text_goes_with_the_next_assistant_turn() -> None:
               "content": [{"type": "reasoning_text", "text": "Think."}]},
              {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
     assert to_chat(body(input=items))["messages"][-1]["reasoning_content"] == "Think."
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be"),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name", "tools[0].name must be"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}, "strict": "yes"}}},
+     "text.format", "text.format"),
+])
+def test_refusals_name_the_fields_as_responses_names_them(body: dict[str, Any], param: str,
+                                                          words: str) -> None:
+    from router.http.responses_output import error_body
+
+    with pytest.raises(BadRequest) as info:
+        parse_responses({"model": "m", "input": "hi", **body}, None)
+    error = error_body(info.value)["error"]
+    assert error["param"].startswith(param) and words in error["message"], error
+    assert "messages" not in error["message"] and "function." not in error["message"]
