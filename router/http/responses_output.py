@@ -24,7 +24,7 @@ from router.http.output import Collector, sse
 NAMES = ((r"\bmax_tokens\b", "max_output_tokens"),
          (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
          (r"\bresponse_format\b", "text.format"),
-         (r"\bmessages(\[\d+\])?", "input"))
+         (r"(?<![\w-])messages(\[\d+\])?", "input"))  # not the flag --max-messages
 
 
 def error_body(exc: HeadroomError) -> dict[str, Any]:

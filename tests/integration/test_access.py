@@ -204,7 +204,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 3}, "tools", "--max-tools"),
     (RESPONSES, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "s",
                                                     "schema": {"x": "y" * 400}}}},
-     "response_format", "--max-schema-bytes"),
+     "text.format", "--max-schema-bytes"),
     (MESSAGES, {"messages": USER * 4, "max_tokens": 1}, "messages", "--max-messages"),
     (MESSAGES, {"messages": USER, "max_tokens": 1, "output_config": {
         "format": {"type": "json_schema", "schema": {"x": "y" * 400}}}},

@@ -298,7 +298,7 @@ def test_messages_forced_tool_use_validates(claude: anthropic.Anthropic) -> None
 
 def test_messages_tool_use_streams_as_input_json_delta(router: Router) -> None:
     body = {"model": "m", "max_tokens": 200, "messages": ASK, "tools": CLAUDE_TOOLS,
-            "tool_choice": {"type": "any"}, "stream": True}
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "stream": True}
     with router.http.stream("POST", "/v1/messages", json=body, headers={"x-api-key": KEY}) as resp:
         events = sse_events(resp.iter_lines())
     starts = {d["index"]: d["content_block"] for n, d in events if n == "content_block_start"}
@@ -388,7 +388,8 @@ def test_responses_forced_function_call_validates(oai: openai.OpenAI) -> None:
     assert call.name == "get_weather" and call.call_id  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.arguments), WEATHER)  # type: ignore[union-attr]
     stream = oai.responses.create(model="m", input="Weather in Oslo?", tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
-                                  tool_choice="required", max_output_tokens=200, stream=True)
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  max_output_tokens=200, stream=True)
     events = list(stream)
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")  # type: ignore[union-attr]
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]

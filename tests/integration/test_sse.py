@@ -66,7 +66,12 @@ def test_streams_refused_while_queued_after_the_model_grows_get_a_400(
     assert plain["error"]["code"] == "insufficient_memory"
     assert plain["error"]["max_request_tokens"] < most * 6 // 10
     assert answers["chat"].json() == plain
-    assert answers["responses"].json() == plain  # the Responses API errors in OpenAI's shape
+    # The Responses API errors in OpenAI's shape, naming its own field
+    responses_error = answers["responses"].json()["error"]
+    assert responses_error["param"] == "max_output_tokens"
+    assert responses_error["message"] == plain["error"]["message"].replace("max_tokens", "max_output_tokens")
+    assert {k: v for k, v in responses_error.items() if k not in ("param", "message")} == \
+        {k: v for k, v in plain["error"].items() if k not in ("param", "message")}
     anthropic_error = answers["messages"].json()
     assert anthropic_error["type"] == "error"
     assert anthropic_error["error"]["type"] == "invalid_request_error"
