@@ -168,8 +168,9 @@ class Engine:
         ``boundaries`` (message ends) cut the rest into segments whose KV is stored. One
         that asks for prompt logprobs is scored first (``_score``). ``compiled``: its
         grammar, as the admission waited for it."""
+        processors = make_processors(sampling, self.grammars, compiled, len(prompt_ids))
         row = RowArgs(self.failures.sampler(request_id, make_sampler(sampling)),
-                      self.failures.processors(request_id, make_processors(sampling, self.grammars, compiled)),
+                      self.failures.processors(request_id, processors),
                       self._no_eos if sampling.ignore_eos else self._eos)
         if sampling.prompt_logprobs is not None:
             scorer = PromptScorer(self.generator.model, prompt_ids, sampling.prompt_logprobs)

@@ -15,7 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
-    apply_min_p, apply_top_k, apply_top_p, make_logits_processors,
+    apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty, make_logits_processors,
+    make_presence_penalty,
 )
 
 from common.protocol import SamplingParams
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-# JSON has no -inf; a token the row may never sample (grammar, top-k) reports this instead,
+# JSON has no -inf; a token the row may never sample (a grammar, a -100 bias) reports this instead,
 # as vLLM does.
 MIN_LOGPROB = -9999.0
 
@@ -60,24 +61,38 @@ def make_sampler(p: SamplingParams) -> Sampler | None:
 
 
 def make_processors(p: SamplingParams, grammars: GrammarCompiler | None = None,
-                    compiled: Future[Any] | None = None) -> list[LogitsProcessor]:
+                    compiled: Future[Any] | None = None, prompt_tokens: int = 0) -> list[LogitsProcessor]:
     """Logit bias and the three penalties, each over its own window of recent tokens, then
     the row's grammar (last, so nothing can lift a token it forbids): ``compiled``, when
-    the admission waited for it."""
+    the admission waited for it.
+
+    The generator hands each processor the row's prompt and output so far; presence and
+    frequency count the output only (the first ``prompt_tokens`` skipped), as OpenAI
+    defines them and vLLM applies them: over the prompt, a chat's own end-of-turn token
+    pushed the end of the answer down. Repetition (not OpenAI's) covers both, as vLLM's.
+    """
     processors = make_logits_processors(
         logit_bias={int(t): float(b) for t, b in p.logit_bias} or None,
         repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
         repetition_context_size=p.repetition_context_size,
-        presence_penalty=p.presence_penalty or None,
-        presence_context_size=p.presence_context_size,
-        frequency_penalty=p.frequency_penalty or None,
-        frequency_context_size=p.frequency_context_size,
     )
+    if p.presence_penalty:
+        processors.append(_on_output(make_presence_penalty(p.presence_penalty, p.presence_context_size),
+                                     prompt_tokens))
+    if p.frequency_penalty:
+        processors.append(_on_output(make_frequency_penalty(p.frequency_penalty, p.frequency_context_size),
+                                     prompt_tokens))
     if p.grammar is not None:
         if grammars is None:
             raise ValueError("this worker has no grammar compiler")
         processors.append(grammars.processor(p.grammar, compiled))
     return processors
+
+
+def _on_output(processor: LogitsProcessor, prompt_tokens: int) -> LogitsProcessor:
+    def on_output(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(tokens[prompt_tokens:], logits)
+    return on_output
 
 
 def logprob_rows(rows: list[tuple[mx.array, int, int]]) -> list[list[Any]]:

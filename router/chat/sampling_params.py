@@ -79,9 +79,12 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise BadRequest("ignore_eos must be a bool", param="ignore_eos")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:  # OpenAI's and Anthropic's range takes 0: the smallest nucleus, one token
+        top_p, top_k = 1.0, 1
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        top_p=top_p,
         top_k=max(top_k, 0),  # -1 and 0 both mean "off", as in vLLM and mlx-lm
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_lo=True),

@@ -341,7 +341,7 @@ class Api:
             prompt = index // parsed.n
             rows.jobs.append(Job(request_id=row_id, prompt_ids=prompts[prompt],
                                  sampling=row_sampling(replace(sampling, max_tokens=row_max_tokens[prompt]),
-                                                       index),
+                                                       index % parsed.n),
                                  deadline=deadline, enqueued_at=now, arrived_at=arrived,
                                  events=ChoiceEvents(rows.events, index), model=served.spec.alias,
                                  boundaries=boundaries, room_left=room_left,
@@ -478,7 +478,9 @@ class Api:
 
 
 def row_sampling(sampling: Sampling, index: int) -> Sampling:
-    """Choice ``index`` of a request: a seeded request gives each choice its own seed."""
+    """Choice ``index`` of a prompt (of ``n``): a seeded request gives each of a prompt's
+    choices its own seed, the same for every prompt (as vLLM's), so a prompt's answer does
+    not depend on where it is in a list of prompts."""
     seed = sampling.params.seed
     if index == 0 or seed is None:
         return sampling

@@ -42,7 +42,7 @@ def assert_error(resp: httpx.Response, status: int, code: str, param: str | None
     (COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "temperature": 7}, "temperature"),
-    (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": -0.1}, "top_p"),
     (COMPLETIONS, {"prompt": "hi", "n": 99}, "n"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream"),

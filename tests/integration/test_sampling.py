@@ -77,6 +77,21 @@ def test_penalties_change_a_repetitive_greedy_output(client: openai.OpenAI,
     assert len(set(penalised)) > len(set(greedy))
 
 
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_count_the_output_not_the_prompt(client: openai.OpenAI, penalty: str) -> None:
+    """OpenAI's definition: a token is penalised for each time it was sampled. Nothing has
+    been sampled before the first token, so its distribution is the unpenalised one (over
+    the prompt, a chat's own end-of-turn token was pushed down)."""
+    def first(**extra: Any) -> tuple[float, dict[str, float]]:
+        r = client.completions.create(model="m", prompt=PROMPT * 3, max_tokens=1, temperature=0,
+                                      logprobs=5, extra_body=extra)
+        lp = r.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        return lp.token_logprobs[0], lp.top_logprobs[0]
+
+    assert first(**{penalty: 2.0, f"{penalty.split('_')[0]}_context_size": 256}) == first()
+
+
 def test_seed_is_the_same_alone_and_in_a_busy_batch(client: openai.OpenAI) -> None:
     big = 2**64 - 5  # the whole 64-bit range is a seed
     alone = tokens(client, temperature=1.0, seed=big)
@@ -93,6 +108,17 @@ def test_seed_is_the_same_alone_and_in_a_busy_batch(client: openai.OpenAI) -> No
         assert again.result(timeout=120) == alone
         for f in noise:
             f.result(timeout=120)
+
+
+def test_a_seeded_prompt_answers_the_same_wherever_it_is_in_a_list(client: openai.OpenAI) -> None:
+    body = {"max_tokens": 6, "ignore_eos": True}
+    alone = client.completions.create(model="m", prompt="Bravo", temperature=1.0, seed=42, n=2,
+                                      extra_body=body)
+    listed = client.completions.create(model="m", prompt=["Alpha", "Bravo", "Bravo"], temperature=1.0,
+                                       seed=42, n=2, extra_body=body)
+    texts = [c.text for c in sorted(listed.choices, key=lambda c: c.index)]
+    mine = [c.text for c in sorted(alone.choices, key=lambda c: c.index)]
+    assert texts[2:4] == texts[4:6] == mine and mine[0] != mine[1]
 
 
 def test_seed_out_of_range_is_a_400(router: Router) -> None:

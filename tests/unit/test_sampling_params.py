@@ -43,6 +43,12 @@ def test_values_taken_as_given(name: str, value: Any, expected: Any) -> None:
     assert getattr(parse(**{name: value}), name) == expected
 
 
+def test_top_p_zero_keeps_one_token() -> None:
+    """OpenAI's and Anthropic's range is [0, 1]: 0 is the smallest nucleus, the top token."""
+    params = parse(top_p=0)
+    assert params.top_k == 1 and params.top_p == 1.0
+
+
 @pytest.mark.parametrize(("name", "value"), [
     ("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("top_k", True),
     ("min_p", -0.1), ("min_p", 1.1), ("min_p", "0.1"), ("min_p", float("nan")),
