@@ -188,7 +188,7 @@ def test_temperature_accepted(parse: Any, make: Any, value: Any) -> None:
     assert sampling.params.temperature == value and isinstance(sampling.params.temperature, float)
 
 
-@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.01, "0.9", False, float("nan")])
+@pytest.mark.parametrize("value", [-0.5, 1.01, "0.9", False, float("nan")])
 @BOTH
 def test_top_p_range(parse: Any, make: Any, value: Any) -> None:
     assert refused(parse, make(top_p=value)).param == "top_p"
