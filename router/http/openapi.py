@@ -154,7 +154,7 @@ def schemas(limits: Limits, context_length: int | None) -> dict[str, Any]:
         "model": {"type": ["string", "null"]},
         "max_tokens": max_tokens,
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
         "seed": {"type": ["integer", "null"]},
         "stop": stop,
         "stream": {"type": ["boolean", "null"]},
