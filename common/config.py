@@ -88,6 +88,21 @@ class PromptCacheOptions:
     no_prompt_cache: bool = opt(False, "Turn prompt reuse off.")
 
 
+# sockaddr_un.sun_path is 104 bytes on macOS, including the terminating NUL.
+MAX_IPC_PATH_BYTES = 103
+
+
+def check_addr(addr: str, flag: str) -> None:
+    """A ZeroMQ address the router binds or a worker connects to: ipc:// (short enough for
+    macOS), tcp:// or inproc://."""
+    if addr.startswith("ipc://"):
+        if len(addr[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
+            raise ConfigError(f"{flag} {addr}: the socket path is longer than "
+                              f"{MAX_IPC_PATH_BYTES} bytes (macOS's limit); use a shorter one")
+    elif not addr.startswith(("tcp://", "inproc://")):
+        raise ConfigError(f"{flag} {addr}: expected ipc://PATH or tcp://HOST:PORT")
+
+
 def _check_common(cfg: Any) -> None:
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level must be one of {LOG_LEVELS}, got {cfg.log_level!r}")
@@ -108,13 +123,15 @@ def _check_common(cfg: Any) -> None:
         raise ConfigError(f"--prompt-cache-entries must be >= 0, got {cfg.prompt_cache_entries}")
     if cfg.prompt_cache_dir is not None and not cfg.prompt_cache_dir.strip():
         raise ConfigError("--prompt-cache-dir must not be empty")
-    if not cfg.model:
+    if not cfg.model and not getattr(cfg, "models_dir", None):  # the router's other source
         raise ConfigError("--model is required (a local mlx-lm model folder, a repo id, or demo)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouterConfig(PromptCacheOptions):
-    """mlx-router: the HTTP front end."""
+    """mlx-router: the HTTP front end. Other commands: `mlx-router status` (what a running
+    router says of itself), `mlx-router service install|uninstall|status` (login or system
+    services), `mlx-router keys generate` (CURVE keys for tcp:// workers); each takes --help."""
 
     model: tuple[str, ...] = opt(
         (), "A model to serve, [ALIAS=]PATH|REPO|demo: a local mlx-lm folder, a Hugging Face "
@@ -229,8 +246,8 @@ class RouterConfig(PromptCacheOptions):
             raise ConfigError(f"--host-memory-mb must be > 0, got {self.host_memory_mb}")
         if self.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
-        if not 0 < self.port < 65536 and self.port != 0:
-            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if self.max_queue < 0:
             raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.queue_timeout_s > 0:  # also refuses NaN
@@ -248,7 +265,7 @@ class RouterConfig(PromptCacheOptions):
         if self.worker_mode == "external" and not self.worker_addr:
             raise ConfigError("--worker-mode external needs --worker-addr (the address workers connect to)")
         for name in ("max_messages", "max_tools", "max_schema_bytes", "max_header_bytes",
-                     "stream_buffer_bytes"):
+                     "max_body_bytes", "stream_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if not self.standby_delay_s >= 0:  # also refuses NaN
@@ -321,6 +338,7 @@ class WorkerConfig(PromptCacheOptions):
         _check_common(self)
         if not self.router:
             raise ConfigError("--router is required (the router's ZeroMQ address)")
+        check_addr(self.router, "--router")  # before the model loads, not after
         if self.prefill_step_size != 0 and self.prefill_step_size < 16:
             raise ConfigError(f"--prefill-step-size must be 0 (by device) or >= 16, got {self.prefill_step_size}")
         if self.max_batch_size < 1:
@@ -424,7 +442,7 @@ def load(cls: type[C], argv: Sequence[str], env: Mapping[str, str], prog: str) -
     values: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
 
-    config_path = args.pop("config", None) or env.get(f"MLX_{section.upper()}_CONFIG")
+    config_path = args.pop("config", None) or env.get(f"MLX_{section.upper()}_CONFIG")  # explicit_config's
     path = Path(config_path).expanduser() if config_path else default_config_path(env)
     if config_path or path.exists():
         values.update(_read_file(cls, path, section, explicit=bool(config_path)))
@@ -462,6 +480,16 @@ def _read_file(cls: type, path: Path, section: str, *, explicit: bool) -> dict[s
             raise ConfigError(f"config file {path}: unknown key {key!r} in [{section}]")
         values[f.name] = _coerce(raw, f, cls, f"config file {path} [{section}] {key}")
     return values
+
+
+def explicit_config(argv: Sequence[str], env: Mapping[str, str], section: str) -> str | None:
+    """The config file named by ``--config`` or ``MLX_<SECTION>_CONFIG`` (as ``load`` reads
+    it), None for the default path: a router hands it to the workers it spawns, whose
+    ``[worker]`` table is in the same file."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    known, _ = parser.parse_known_args(list(argv))
+    return known.config or env.get(f"MLX_{section.upper()}_CONFIG")
 
 
 def env_snapshot() -> dict[str, str]:

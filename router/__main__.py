@@ -7,8 +7,9 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from common.config import RouterConfig, env_snapshot, load, permanent_exit
+from common.config import RouterConfig, check_addr, env_snapshot, explicit_config, load, permanent_exit
 from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError, NoWorker
 from common.log import setup_logging
@@ -43,10 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load(RouterConfig, args, env, prog="mlx-router")
+        config_file = explicit_config(args, env, "router")
+        if config_file is not None and "MLX_WORKER_CONFIG" not in env:
+            env = {**env, "MLX_WORKER_CONFIG": str(Path(config_file).expanduser().resolve())}
         api_keys = load_api_keys(cfg)
         link_keys = load_server_keys(cfg.curve_secret_key, cfg.curve_authorized_keys)
         addr = cfg.worker_addr or ipc.default_worker_addr(cfg.port, env)
-        ipc.check_addr(addr)
+        check_addr(addr, "--worker-addr")
         catalog = build_catalog(cfg.model, cfg.models_dir)  # a bad model list is a clear ConfigError here
         check_pins(catalog, cfg.pin)
         lock = ipc.lock_addr(addr)
@@ -95,7 +99,8 @@ async def serve(cfg: RouterConfig, addr: str, env: dict[str, str], api_keys: lis
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
         await runner.cleanup()
         return 1
-    log.info("mlx-router listening on http://%s:%d (workers: %s, mode %s)", cfg.host, cfg.port,
+    port = runner.addresses[0][1] if runner.addresses else cfg.port  # --port 0: the one given
+    log.info("mlx-router listening on http://%s:%d (workers: %s, mode %s)", cfg.host, port,
              addr, cfg.worker_mode)
     stop = app[STATE].stop
     loop = asyncio.get_running_loop()

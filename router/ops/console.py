@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -156,18 +157,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="Print /status as JSON, for scripts.")
     p.add_argument("--watch", action="store_true", help="Refresh the screen until Ctrl-C.")
     p.add_argument("--interval", type=float, default=2.0, help="Seconds between refreshes with --watch.")
-    p.add_argument("--count", type=int, default=None, help="With --watch, stop after this many screens.")
+    p.add_argument("--count", type=_positive, default=None, help="With --watch, stop after this many screens.")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(args: Sequence[str]) -> int:
     """0 when the router is ok, 1 when it is not (or does not answer)."""
     ns = parser().parse_args(list(args))
     url = ns.url or f"http://{ns.host}:{ns.port}"
-    if not ns.watch:
-        return _once(url, ns.json, clear=False)
     shown, rc = 0, 1
     try:
+        if not ns.watch:
+            return _once(url, ns.json, clear=False)
         while ns.count is None or shown < ns.count:
             if shown:
                 time.sleep(max(0.1, ns.interval))
@@ -175,6 +183,9 @@ def main(args: Sequence[str]) -> int:
             shown += 1
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:  # `| head` closed the pipe: the reader has what it wanted
+        # Python flushes stdout at exit and would report the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return rc
 
 

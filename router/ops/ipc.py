@@ -15,16 +15,15 @@ from typing import IO
 
 from common.errors import ConfigError
 
-# sockaddr_un.sun_path is 104 bytes on macOS, including the terminating NUL.
-MAX_IPC_PATH_BYTES = 103
-
-
 def runtime_dir(env: Mapping[str, str]) -> Path:
     """$XDG_RUNTIME_DIR/mlx-headroom, else /tmp/mlx-headroom-<uid>; created 0700."""
     base = env.get("XDG_RUNTIME_DIR")
     path = Path(base) / "mlx-headroom" if base else Path(tempfile.gettempdir()) / f"mlx-headroom-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:  # a file in its place, a read-only parent: a setup error, not a crash
+        raise ConfigError(f"runtime dir {path}: {exc.strerror or exc} (set XDG_RUNTIME_DIR)") from None
     if st.st_uid != os.getuid():
         raise ConfigError(f"runtime dir {path} belongs to another user")
     if st.st_mode & 0o077:
@@ -36,16 +35,6 @@ def default_worker_addr(port: int, env: Mapping[str, str]) -> str:
     return f"ipc://{runtime_dir(env) / f'router-{port}.sock'}"
 
 
-def check_addr(addr: str) -> None:
-    if addr.startswith("ipc://"):
-        path = addr[len("ipc://"):]
-        if len(path.encode()) > MAX_IPC_PATH_BYTES:
-            raise ConfigError(f"--worker-addr {addr}: the socket path is longer than "
-                              f"{MAX_IPC_PATH_BYTES} bytes (macOS's limit); use a shorter one")
-    elif not addr.startswith(("tcp://", "inproc://")):
-        raise ConfigError(f"--worker-addr {addr}: expected ipc://PATH or tcp://HOST:PORT")
-
-
 def lock_addr(addr: str) -> IO[str] | None:
     """Hold an exclusive lock beside an ipc socket for the router's lifetime.
 
@@ -53,9 +42,12 @@ def lock_addr(addr: str) -> IO[str] | None:
     """
     if not addr.startswith("ipc://"):
         return None
-    Path(addr[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock_path = addr[len("ipc://"):] + ".lock"
-    fh = open(lock_path, "w")
+    try:
+        Path(addr[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fh = open(lock_path, "w")
+    except OSError as exc:
+        raise ConfigError(f"--worker-addr {addr}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

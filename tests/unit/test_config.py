@@ -97,10 +97,10 @@ def test_worker_precedence(case: tuple[Any, ...], env: dict[str, str], tmp_path:
 
 def test_env_beats_file_and_cli_beats_env_for_required_fields(env: dict[str, str],
                                                               tmp_path: Path) -> None:
-    path = write(tmp_path / "c.toml", '[worker]\nmodel = "file"\nrouter = "file-addr"\n')
+    path = write(tmp_path / "c.toml", '[worker]\nmodel = "file"\nrouter = "ipc://file-addr"\n')
     e = {**env, "MLX_WORKER_CONFIG": str(path), "MLX_WORKER_MODEL": "env"}
-    cfg = load_worker(["--router", "cli-addr"], e)
-    assert (cfg.model, cfg.router) == ("env", "cli-addr")
+    cfg = load_worker(["--router", "ipc://cli-addr"], e)
+    assert (cfg.model, cfg.router) == ("env", "ipc://cli-addr")
 
 
 def test_bool_flag_from_every_layer(env: dict[str, str], tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_config_from_env(env: dict[str, str], tmp_path: Path) -> None:
 
 def test_one_file_two_tables(env: dict[str, str], tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", '[router]\nmodel = "r"\nport = 9\n'
-                 '[worker]\nmodel = "w"\nrouter = "addr"\nmax_batch_size = 3\n')
+                 '[worker]\nmodel = "w"\nrouter = "ipc://addr"\nmax_batch_size = 3\n')
     assert load_router(["--config", str(path)], env).model == ("r",)
     cfg = load_worker(["--config", str(path)], env)
     assert (cfg.model, cfg.max_batch_size) == ("w", 3)
@@ -365,14 +365,14 @@ def test_limits_must_be_positive(flag: str, value: str, env: dict[str, str]) -> 
 
 def test_model_is_required(env: dict[str, str]) -> None:
     assert "--model" in error_of(lambda: load_router([], env))
-    assert "--model" in error_of(lambda: load_worker(["--router", "a"], env))
+    assert "--model" in error_of(lambda: load_worker(["--router", "ipc://a"], env))
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
     (["--model", "m"], "--router"),
-    (["--model", "m", "--router", "a", "--prefill-step-size", "8"], "--prefill-step-size"),
-    (["--model", "m", "--router", "a", "--max-batch-size", "0"], "--max-batch-size"),
-    (["--model", "m", "--router", "a", "--memory-limit-mb", "-5"], "--memory-limit-mb"),
+    (["--model", "m", "--router", "ipc://a", "--prefill-step-size", "8"], "--prefill-step-size"),
+    (["--model", "m", "--router", "ipc://a", "--max-batch-size", "0"], "--max-batch-size"),
+    (["--model", "m", "--router", "ipc://a", "--memory-limit-mb", "-5"], "--memory-limit-mb"),
 ])
 def test_worker_validation(argv: list[str], flag: str, env: dict[str, str]) -> None:
     assert flag in error_of(lambda: load_worker(argv, env))
@@ -382,7 +382,7 @@ def test_direct_construction_validates() -> None:
     with pytest.raises(ConfigError, match="--port"):
         RouterConfig(model="m", port=65536)
     with pytest.raises(ConfigError, match="--log-level"):
-        WorkerConfig(model="m", router="a", log_level="verbose")
+        WorkerConfig(model="m", router="ipc://a", log_level="verbose")
 
 
 # -- frozen --------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def test_router_config_is_frozen(env: dict[str, str]) -> None:
 
 
 def test_worker_config_is_frozen(env: dict[str, str]) -> None:
-    cfg = load_worker(["--model", "m", "--router", "a"], env)
+    cfg = load_worker(["--model", "m", "--router", "ipc://a"], env)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model = "other"  # type: ignore[misc]
 
@@ -433,3 +433,28 @@ def test_prompt_cache_flags_pass_through_to_the_spawned_worker() -> None:
         load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-dir", " "], {}, "w")
     with pytest.raises(ConfigError, match="--prompt-cache-bytes"):
         load(WorkerConfig, ["--model", "demo", "--router", "ipc:///x", "--prompt-cache-bytes", "-1"], {}, "w")
+
+
+def test_models_dir_is_a_source_of_models_for_the_router(env: dict[str, str]) -> None:
+    assert load_router(["--models-dir", "/srv/models"], env).models_dir == "/srv/models"
+    assert "--model" in error_of(lambda: load_router([], env))
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_body_bytes_must_be_positive(value: str, env: dict[str, str]) -> None:
+    assert "--max-body-bytes" in error_of(lambda: load_router(["--model", "m", "--max-body-bytes", value], env))
+
+
+@pytest.mark.parametrize("addr", ["foo://bar", "ipc://" + "x" * 200])
+def test_a_worker_s_router_address_is_checked_before_anything_loads(addr: str, env: dict[str, str]) -> None:
+    assert "--router" in error_of(lambda: load_worker(["--model", "m", "--router", addr], env))
+
+
+def test_a_runtime_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> None:
+    from router.ops import ipc
+
+    (tmp_path / "f").write_text("a file where a folder should be")
+    with pytest.raises(ConfigError, match="runtime dir"):
+        ipc.runtime_dir({"XDG_RUNTIME_DIR": str(tmp_path / "f")})
+    with pytest.raises(ConfigError, match="--worker-addr"):
+        ipc.lock_addr(f"ipc://{tmp_path}/f/r.sock")

@@ -111,3 +111,25 @@ def test_an_error_body_is_reported_not_a_traceback(capsys: pytest.CaptureFixture
         server.server_close()
     assert rc == 1
     assert "host not allowed" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_the_pipe_ends_it_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mlx-router status --json | head -c 10`: no BrokenPipeError traceback."""
+    import os
+
+    from router.ops import console
+
+    monkeypatch.setattr(console, "fetch", lambda url: {"status": "ok", "queue": {}, "x": "y" * 100_000})
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as out:
+        monkeypatch.setattr("sys.stdout", out)
+        assert console.main(["--json"]) in (0, 1)
+
+
+def test_watch_count_must_be_positive() -> None:
+    from router.ops import console
+
+    with pytest.raises(SystemExit) as info:
+        console.main(["--watch", "--count", "0"])
+    assert info.value.code == 2
