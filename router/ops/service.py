@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import plistlib
+import pwd
 import shutil
 import subprocess
 import sys
@@ -25,12 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import RouterConfig
+from common.errors import ConfigError
+from router.fleet.models import parse_model_arg
+
 LABEL_PREFIX = "org.mlx-headroom"
 JOBS = ("router", "worker")
 # launchd's minimum respawn interval; also the gap between restarts of a crashing worker.
 THROTTLE_S = 10
-# Longer than the router's default drain (30 s), so launchd never SIGKILLs a draining router.
-EXIT_TIMEOUT_S = 45
+# The stop timeout (launchd's ExitTimeOut, systemd's TimeoutStopSec) is the router's drain
+# plus this, so the service manager never SIGKILLs a router that is still draining.
+STOP_MARGIN_S = 15
+DEFAULT_DRAIN_S: float = next(f.default for f in dataclasses.fields(RouterConfig)
+                              if f.name == "drain_timeout_s")
 # Worker exits that will fail again (config, load, memory, protocol): systemd must not
 # restart on them. launchd cannot filter by code, so under it they exit 0 instead.
 PERMANENT_EXIT_CODES = (2, 3, 4, 6)
@@ -62,6 +71,10 @@ class ServiceSpec:
         return ("router",) if self.is_multi else JOBS
 
     @property
+    def stop_timeout_s(self) -> int:
+        return math.ceil(drain_timeout_s(self.flags)) + STOP_MARGIN_S
+
+    @property
     def addr(self) -> str:
         return f"ipc://{self.runtime_dir / f'router-{self.port}.sock'}"
 
@@ -80,6 +93,8 @@ class ServiceSpec:
             return [str(self.bin_dir / "mlx-router"), "--model", self.model, "--host", self.host,
                     "--port", str(self.port), "--worker-mode", "external", "--worker-addr",
                     self.addr, "--service-manager", manager, *self.flags]
+        # The alias is the router's name for the model; the worker loads the source alone.
+        source = parse_model_arg(self.model)[1]
         return [str(self.bin_dir / "mlx-worker"), "--model", self.model, "--router", self.addr,
                 "--service-manager", manager, *self.worker_flags]
 
@@ -87,6 +102,19 @@ class ServiceSpec:
         # launchd starts jobs with a bare environment: give what Python and the cache need.
         return {"PATH": f"{self.bin_dir}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(self.home),
                 "XDG_RUNTIME_DIR": str(self.runtime_dir.parent), "PYTHONUNBUFFERED": "1"}
+
+
+def drain_timeout_s(router_flags: Sequence[str]) -> float:
+    """The router's --drain-timeout among the flags its job gets (its default when absent)."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S)
+    try:
+        drain = p.parse_known_args(list(router_flags))[0].drain_timeout
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"--router-flag: {exc}") from None
+    if not 0 <= drain < math.inf:  # also refuses NaN: a stop timeout must be a number
+        raise ConfigError(f"--router-flag: --drain-timeout must be a finite number >= 0, got {drain}")
+    return float(drain)
 
 
 def label(job: str) -> str:
@@ -102,7 +130,7 @@ def launchd_plist(spec: ServiceSpec, job: str) -> dict[str, Any]:
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": THROTTLE_S,
-        "ExitTimeOut": EXIT_TIMEOUT_S,
+        "ExitTimeOut": spec.stop_timeout_s,
         "ProcessType": "Interactive",
         "StandardOutPath": str(spec.log_dir / f"{job}.out.log"),
         "StandardErrorPath": str(spec.log_dir / f"{job}.err.log"),
@@ -118,13 +146,16 @@ def systemd_unit(spec: ServiceSpec, job: str) -> str:
     env = " ".join(f'"{k}={v}"' for k, v in sorted(spec.environment().items()))
     after = "" if job == "router" else f"After={label('router')}.service\nWants={label('router')}.service\n"
     user = f"User={spec.user}\n" if spec.system else ""
+    # The router drains on SIGTERM, then stops the workers it spawned: they must not get
+    # SIGTERM with it (control-group, the default); mixed SIGKILLs them only at the timeout.
+    kill_mode = "KillMode=mixed\n" if job == "router" else ""
     target = "multi-user.target" if spec.system else "default.target"
     return (
         f"[Unit]\nDescription=Headroom {job} (mlx-headroom)\n{after}\n"
         f"[Service]\nType=simple\n{user}ExecStart={_quote(spec.argv(job, 'systemd'))}\n"
         f"Environment={env}\nRestart=on-failure\nRestartSec=1\n"
         f"RestartPreventExitStatus={' '.join(map(str, PERMANENT_EXIT_CODES))}\n"
-        f"TimeoutStopSec={EXIT_TIMEOUT_S}\nKillSignal=SIGTERM\n\n"
+        f"TimeoutStopSec={spec.stop_timeout_s}\nKillSignal=SIGTERM\n{kill_mode}\n"
         f"[Install]\nWantedBy={target}\n")
 
 
@@ -185,21 +216,38 @@ def example_multi_spec() -> ServiceSpec:
 
 def _absolute(model: str) -> str:
     """launchd and systemd neither expand ~ nor start in this directory."""
-    alias, sep, source = model.rpartition("=") if "=" in model.split("/")[0] else ("", "", model)
+    alias, source = parse_model_arg(model)
     if source != "demo" and (source.startswith(("~", ".", "/")) or Path(source).exists()):
         source = str(Path(source).expanduser().resolve())
-    return f"{alias}{sep}{source}"
+    return f"{alias}={source}" if alias else source
+
+
+def account(ns: argparse.Namespace, env: Mapping[str, str], euid: int) -> tuple[str, Path]:
+    """Who a --system job runs as, and their home: under sudo, the user who ran it, not root."""
+    home = Path(env.get("HOME", str(Path.home())))
+    if not ns.system or ns.verb != "install":  # only an installed job runs as someone
+        return env.get("USER", ""), home
+    name = ns.user or (env.get("SUDO_USER", "") if euid == 0 else env.get("USER", ""))
+    if not name or (name == "root" and not ns.user):
+        raise ConfigError("--system: the jobs would run as root; run it with sudo from your "
+                          "own account, or give --user NAME")
+    if not ns.user and euid != 0:
+        return name, home
+    try:
+        return name, Path(pwd.getpwnam(name).pw_dir)
+    except KeyError:
+        raise ConfigError(f"--user {name}: no such user") from None
 
 
 def make_spec(ns: argparse.Namespace, env: Mapping[str, str]) -> ServiceSpec:
-    home = Path(env.get("HOME", str(Path.home())))
+    user, home = account(ns, env, os.geteuid())
     models = tuple(_absolute(m) for m in (ns.model or ["demo"]))
     model = models[0]
     models_dir = str(Path(ns.models_dir).expanduser().resolve()) if ns.models_dir else None
     runtime = Path(ns.runtime_dir) if ns.runtime_dir else home / ".local" / "run" / "mlx-headroom"
     bin_dir = Path(ns.bin_dir) if ns.bin_dir else Path(sys.executable).parent
     return ServiceSpec(model=model, host=ns.host, port=ns.port, home=home, bin_dir=bin_dir,
-                       runtime_dir=runtime, system=ns.system, user=env.get("USER", ""),
+                       runtime_dir=runtime, system=ns.system, user=user,
                        flags=list(ns.router_flag or []), worker_flags=list(ns.worker_flag or []),
                        models=models, models_dir=models_dir)
 
@@ -216,6 +264,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--system", action="store_true",
                    help="A LaunchDaemon / system unit that serves after a reboot without a login (sudo).")
+    p.add_argument("--user", help="The account --system jobs run as (default: you; under sudo, "
+                   "the user who ran sudo).")
     p.add_argument("--dry-run", action="store_true", help="Print what would be written and run.")
     p.add_argument("--router-flag", action="append", help="An extra router flag (repeatable).")
     p.add_argument("--worker-flag", action="append", help="An extra worker flag (repeatable).")
@@ -229,7 +279,12 @@ def parser() -> argparse.ArgumentParser:
 def run_command(args: Sequence[str], env: Mapping[str, str]) -> int:
     ns = parser().parse_args(list(args[1:]))
     platform = "darwin" if ns.platform == "darwin" else "linux"
-    spec = make_spec(ns, env)
+    try:
+        spec = make_spec(ns, env)
+        drain_timeout_s(spec.flags)  # a bad --drain-timeout: one line here, not a traceback
+    except ConfigError as exc:
+        print(f"mlx-router service: {exc.message}", file=sys.stderr)
+        return 2
     if ns.verb == "install":
         for job in spec.jobs:
             path = destination(spec, job, platform)
@@ -238,8 +293,7 @@ def run_command(args: Sequence[str], env: Mapping[str, str]) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(render(spec, job, platform))
         if not ns.dry_run:
-            spec.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            spec.log_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(spec, os.geteuid())
     rc = 0
     for cmd in commands(spec, ns.verb, platform):
         print("# run " + " ".join(cmd))
@@ -249,6 +303,17 @@ def run_command(args: Sequence[str], env: Mapping[str, str]) -> int:
         for job in JOBS:
             destination(spec, job, platform).unlink(missing_ok=True)
     return rc
+
+
+def make_dirs(spec: ServiceSpec, euid: int) -> None:
+    """The runtime and log folders. Made by root for a --system job, they are given to its
+    user: a root-owned folder in their home would stop the router binding its socket."""
+    owner = pwd.getpwnam(spec.user) if spec.system and euid == 0 else None
+    for path, mode in ((spec.runtime_dir, 0o700), (spec.log_dir, 0o777)):
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+        for made in missing if owner else []:
+            os.chown(made, owner.pw_uid, owner.pw_gid)
 
 
 def _run(cmd: list[str]) -> int:

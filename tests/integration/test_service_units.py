@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from router.ops.service import ServiceSpec, launchd_plist, systemd_unit
 from tests.conftest import free_port, wait_until
@@ -36,9 +37,11 @@ def health(url: str) -> dict:
         return {}
 
 
-def test_unit_command_lines_serve_and_recover(tmp_path: Path, cache_home: Path) -> None:
+# An ALIAS=PATH model: the router serves it by its alias, the worker loads the path alone.
+@pytest.mark.parametrize("model", ["demo", "chat=demo"])
+def test_unit_command_lines_serve_and_recover(tmp_path: Path, cache_home: Path, model: str) -> None:
     port = free_port()
-    spec = ServiceSpec(model="demo", host="127.0.0.1", port=port, home=tmp_path,
+    spec = ServiceSpec(model=model, host="127.0.0.1", port=port, home=tmp_path,
                        bin_dir=Path(sys.executable).parent, runtime_dir=tmp_path / "run")
     router_argv, worker_argv = unit_argv(spec, "router"), unit_argv(spec, "worker")
     # The plist holds the same command lines as the unit, but for the manager's name.
@@ -55,6 +58,7 @@ def test_unit_command_lines_serve_and_recover(tmp_path: Path, cache_home: Path) 
         assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200
+        assert ok.json()["model"] == model.split("=")[0]
         workers[0].popen.send_signal(signal.SIGABRT)  # as a Metal OOM would
         assert workers[0].popen.wait(10) == -signal.SIGABRT  # non-zero: launchd/systemd restart it
         workers.append(Proc(worker_argv, env, tmp_path / "worker-2.log"))
