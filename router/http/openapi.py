@@ -16,13 +16,14 @@ from router.http.limits import MAX_STOP_CHARS, Limits
 JSON = "application/json"
 SSE = "text/event-stream"
 ERROR_STATUSES = {
-    404: "No such file",
+    404: "No such model (model_not_found; with one model served, any name is it) or file",
     400: "Invalid request (the error's param names the field), context length or memory",
     401: "Missing or wrong API key",
     403: "Host or Origin not allowed",
     408: "The body did not arrive in time",
     413: "Body too large",
     429: "Queue full (Retry-After)",
+    500: "The request's own grammar, sampler or processor failed (request_failed); it alone",
     503: "No worker, queue timeout, worker lost, memory pressure (Retry-After)",
 }
 
@@ -50,7 +51,7 @@ def json_of(schema: str) -> dict[str, Any]:
     return {JSON: {"schema": ref(schema)}}
 
 
-GENERATION_ERRORS = (400, 401, 403, 408, 413, 429, 503)
+GENERATION_ERRORS = (400, 401, 403, 404, 408, 413, 429, 500, 503)
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("post", "/v1/chat/completions", "OpenAI chat completion, streamed (SSE) or not",
              {200: ("The completion; with stream=true, SSE chunks ending in data: [DONE]",
@@ -66,7 +67,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              request="MessagesRequest", errors=GENERATION_ERRORS, error="AnthropicError"),
     Endpoint("post", "/v1/messages/count_tokens", "The prompt tokens a Messages body would take",
              {200: ("The count", json_of("TokenCount"))}, request="MessagesRequest",
-             errors=(400, 401, 403, 408, 413, 503), error="AnthropicError"),
+             errors=(400, 401, 403, 404, 408, 413, 503), error="AnthropicError"),
     Endpoint("post", "/v1/responses", "OpenAI Responses (what Codex speaks), stateless, streamed or not",
              {200: ("The response; with stream=true, the Responses event sequence",
                     {**json_of("Response"), SSE: {"schema": ref("SseEvent")}})},
