@@ -447,13 +447,22 @@ def load(cls: type[C], argv: Sequence[str], env: Mapping[str, str], prog: str) -
     if config_path or path.exists():
         values.update(_read_file(cls, path, section, explicit=bool(config_path)))
 
+    sources = {name: f"config file {path}" for name in values}
     for name, f in fields.items():
         env_name = f"MLX_{section.upper()}_{_flag(f).upper().replace('-', '_')}"
         if env_name in env:
             values[name] = _coerce(env[env_name], f, cls, f"environment {env_name}")
+            sources[name] = f"environment {env_name}"
     for name, raw in args.items():
         values[name] = _coerce(raw, fields[name], cls, "command line")
-    return cls(**values)
+        sources.pop(name, None)
+    try:
+        return cls(**values)
+    except ConfigError as exc:  # a range check names the flag: say where its value came from
+        named = [f"{sources[n]}" for n in sources if f"--{_flag(fields[n])} " in exc.message + " "]
+        if not named:
+            raise
+        raise ConfigError(f"{exc.message} (from {named[0]})") from None
 
 
 def _read_file(cls: type, path: Path, section: str, *, explicit: bool) -> dict[str, Any]:

@@ -458,3 +458,13 @@ def test_a_runtime_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> 
         ipc.runtime_dir({"XDG_RUNTIME_DIR": str(tmp_path / "f")})
     with pytest.raises(ConfigError, match="--worker-addr"):
         ipc.lock_addr(f"ipc://{tmp_path}/f/r.sock")
+
+
+def test_a_bad_value_from_a_file_or_the_environment_says_where_it_came_from(
+        env: dict[str, str], tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", "[router]\nport = 70000\n")
+    message = error_of(lambda: load_router(["--model", "m", "--config", str(path)], env))
+    assert "--port" in message and str(path) in message
+    message = error_of(lambda: load_router(["--model", "m"], {**env, "MLX_ROUTER_LOG_LEVEL": "trace"}))
+    assert "--log-level" in message and "MLX_ROUTER_LOG_LEVEL" in message
+    assert "from" not in error_of(lambda: load_router(["--model", "m", "--port", "70000"], env))
