@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 __all__ = ["about", "bind_model", "bind_request", "current_request_id", "setup_logging"]
 
@@ -97,6 +97,19 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             body["exc"] = self.formatException(record.exc_info)
         return json.dumps(body, default=str)
+
+
+def config_error_line(process: str, message: str, argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The one line a process that cannot start writes (before logging exists): JSON when
+    its command line or environment asked for JSON logs, so a log reader parses every line."""
+    section = process.removeprefix("mlx-").upper()
+    wants_json = env.get(f"MLX_{section}_LOG_FORMAT") == "json" or "--log-format=json" in argv or any(
+        a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:]))
+    if not wants_json:
+        return f"{process}: {message}"
+    ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    return json.dumps({"ts": ts + "Z", "level": "error", "logger": process, "msg": message,
+                       "process": process})
 
 
 def setup_logging(level: str, fmt: str = "text", *, process: str,

@@ -12,7 +12,7 @@ from pathlib import Path
 from common.config import RouterConfig, check_addr, env_snapshot, explicit_config, load, permanent_exit
 from common.curve import ServerKeys, load_server_keys
 from common.errors import ConfigError, NoWorker
-from common.log import setup_logging
+from common.log import config_error_line, setup_logging
 from common.protocol import ExitCode
 from router.fleet.models import build_catalog, check_pins
 from router.ops import ipc
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_pins(catalog, cfg.pin)
         lock = ipc.lock_addr(addr)
     except ConfigError as exc:
-        print(f"mlx-router: {exc.message}", file=sys.stderr)
+        print(config_error_line("mlx-router", exc.message, args, env), file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, args)  # as the worker: systemd will not restart it
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-router", context={"model": ",".join(cfg.model) or cfg.models_dir or ""})
     logging.getLogger("aiohttp.server").addFilter(BadHttpLogFilter())

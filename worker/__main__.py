@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from common.config import WorkerConfig, env_snapshot, load, permanent_exit
 from common.curve import load_client_keys
 from common.errors import ConfigError
-from common.log import setup_logging
+from common.log import config_error_line, setup_logging
 from common.protocol import ExitCode
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None,
         cfg = load(WorkerConfig, args, env, prog="mlx-worker")
         curve = load_client_keys(cfg.curve_server_key, cfg.curve_secret_key)
     except ConfigError as exc:
-        print(f"mlx-worker: {exc.message}", file=sys.stderr)
+        print(config_error_line("mlx-worker", exc.message, args, env), file=sys.stderr)
         return permanent_exit(ExitCode.CONFIG_ERROR, args)
     incarnation = cfg.incarnation if cfg.incarnation is not None else secrets.randbits(62)
     setup_logging(cfg.log_level, cfg.log_format, process="mlx-worker",

@@ -84,3 +84,13 @@ async def test_the_bound_request_follows_the_task_and_stays_there() -> None:
 
     assert await asyncio.gather(serve("a"), serve("b")) == ["a", "b"]
     assert current_request_id() is None
+
+
+def test_a_config_error_is_one_json_line_when_json_logs_were_asked_for() -> None:
+    import json
+
+    from common.log import config_error_line
+
+    assert config_error_line("mlx-worker", "bad", ["--log-format", "json"], {}).startswith("{")
+    assert json.loads(config_error_line("mlx-router", "bad", [], {"MLX_ROUTER_LOG_FORMAT": "json"}))["msg"] == "bad"
+    assert config_error_line("mlx-worker", "bad", ["--log-format", "text"], {}) == "mlx-worker: bad"
