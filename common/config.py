@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import tomllib
@@ -345,6 +346,8 @@ class WorkerConfig(PromptCacheOptions):
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.rank is not None and (self.rank < 0 or not self.distributed):
             raise ConfigError(f"--rank {self.rank} needs --distributed and must be >= 0")
+        if self.distributed and self.distributed != "launch":
+            _check_hostfile(self.distributed)
         if self.router.startswith("tcp://") and not (self.curve_server_key and self.curve_secret_key):
             raise ConfigError(
                 f"--router {self.router}: a tcp:// link needs CURVE: give --curve-server-key "
@@ -489,6 +492,18 @@ def _read_file(cls: type, path: Path, section: str, *, explicit: bool) -> dict[s
             raise ConfigError(f"config file {path}: unknown key {key!r} in [{section}]")
         values[f.name] = _coerce(raw, f, cls, f"config file {path} [{section}] {key}")
     return values
+
+
+def _check_hostfile(path: str) -> None:
+    """MLX's ring hostfile: a JSON list with one list of "ip:port" per rank (checked before
+    the model loads; MLX's own error comes after, as a traceback)."""
+    try:
+        hosts = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--distributed {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not (isinstance(hosts, list) and len(hosts) >= 2 and all(isinstance(h, list) and h for h in hosts)):
+        raise ConfigError(f"--distributed {path}: expected a JSON list of two or more ranks, "
+                          'each a list of "ip:port"')
 
 
 def explicit_config(argv: Sequence[str], env: Mapping[str, str], section: str) -> str | None:

@@ -468,3 +468,19 @@ def test_a_bad_value_from_a_file_or_the_environment_says_where_it_came_from(
     message = error_of(lambda: load_router(["--model", "m"], {**env, "MLX_ROUTER_LOG_LEVEL": "trace"}))
     assert "--log-level" in message and "MLX_ROUTER_LOG_LEVEL" in message
     assert "from" not in error_of(lambda: load_router(["--model", "m", "--port", "70000"], env))
+
+
+@pytest.mark.parametrize("text", [None, "not json", "[]", '[["127.0.0.1:5000"]]', '{"a": 1}'])
+def test_a_distributed_hostfile_is_checked_before_the_model_loads(
+        text: str | None, env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "hosts.json"
+    if text is not None:
+        path.write_text(text)
+    argv = ["--model", "m", "--router", "ipc://a", "--distributed", str(path), "--rank", "0"]
+    assert "--distributed" in error_of(lambda: load_worker(argv, env))
+
+
+def test_a_ring_hostfile_is_taken(env: dict[str, str], tmp_path: Path) -> None:
+    path = write(tmp_path / "hosts.json", '[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
+    argv = ["--model", "m", "--router", "ipc://a", "--distributed", str(path), "--rank", "1"]
+    assert load_worker(argv, env).rank == 1
