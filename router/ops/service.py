@@ -95,7 +95,7 @@ class ServiceSpec:
                     self.addr, "--service-manager", manager, *self.flags]
         # The alias is the router's name for the model; the worker loads the source alone.
         source = parse_model_arg(self.model)[1]
-        return [str(self.bin_dir / "mlx-worker"), "--model", self.model, "--router", self.addr,
+        return [str(self.bin_dir / "mlx-worker"), "--model", source, "--router", self.addr,
                 "--service-manager", manager, *self.worker_flags]
 
     def environment(self) -> dict[str, str]:
@@ -113,7 +113,8 @@ def drain_timeout_s(router_flags: Sequence[str]) -> float:
     except argparse.ArgumentError as exc:
         raise ConfigError(f"--router-flag: {exc}") from None
     if not 0 <= drain < math.inf:  # also refuses NaN: a stop timeout must be a number
-        raise ConfigError(f"--router-flag: --drain-timeout must be a finite number >= 0, got {drain}")
+        raise ConfigError(f"--router-flag: --drain-timeout must be a finite number >= 0, "
+                          f"got {drain}")
     return float(drain)
 
 
