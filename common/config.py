@@ -462,7 +462,7 @@ def load(cls: type[C], argv: Sequence[str], env: Mapping[str, str], prog: str) -
     try:
         return cls(**values)
     except ConfigError as exc:  # a range check names the flag: say where its value came from
-        named = [f"{sources[n]}" for n in sources if f"--{_flag(fields[n])} " in exc.message + " "]
+        named = [sources[n] for n in sources if (exc.message + " ").startswith(f"--{_flag(fields[n])} ")]
         if not named:
             raise
         raise ConfigError(f"{exc.message} (from {named[0]})") from None

@@ -101,7 +101,7 @@ def parse_chat(body: Any, default_max_tokens: int | None, max_n: int = 1) -> Par
     continue_final = _optional(body, "continue_final_message", bool, False)
     final = clean[-1]
     if continue_final and not (final.get("role") == "assistant" and not final.get("tool_calls")
-                               and isinstance(final.get("content"), (str, list))):
+                               and final.get("content")):
         raise BadRequest("continue_final_message needs a final assistant message with content",
                          param="continue_final_message")
     return _common(body, "chat", default_max_tokens, max_n, messages=clean, tools=tools,

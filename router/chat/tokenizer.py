@@ -425,16 +425,11 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _tagged(message: dict[str, Any]) -> dict[str, Any]:
+    # A chat request's content is text by now (schema's _message joins a list of parts)
     content = message.get("content")
-    if isinstance(content, list):
-        texts = [i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        if texts:
-            parts = list(content)
-            parts[texts[-1]] = {**parts[texts[-1]], "text": parts[texts[-1]]["text"] + _CONTINUE_TAG}
-            return {**message, "content": parts}
-    elif isinstance(content, str):
-        return {**message, "content": content + _CONTINUE_TAG}
-    raise BadRequest("the final assistant message has no text to continue", param="messages")
+    if not isinstance(content, str):
+        raise BadRequest("the final assistant message has no text to continue", param="messages")
+    return {**message, "content": content + _CONTINUE_TAG}
 
 
 def _cut_at_tag(text: str) -> str:

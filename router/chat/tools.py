@@ -63,15 +63,17 @@ _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
 
 
-_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*'
-                       r'(?:,\s*"(?:arguments|parameters)"\s*:\s*)?', re.S)
+_CUT_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
+# What a call's body starts with (a JSON object or list, Qwen3-Coder's <function=), or nothing yet
+_CALL_START = re.compile(r"\s*(?:[{\[<]|\Z)")
+_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
 _BETWEEN = re.compile(r"[\s\[\],;]*")
 
 
 def _cut_calls(body: str) -> list[ToolCall] | None:
     """JSON calls the output ended inside: the whole ones, then the cut one once its name is
     whole, with the arguments written so far (as OpenAI and Anthropic return a call cut by
-    the token limit); None if there is not even a name."""
+    the token limit); None if there is not even one whole name."""
     decoder, calls, i = json.JSONDecoder(), [], 0
     while True:
         i = _BETWEEN.match(body, i).end()  # type: ignore[union-attr]
@@ -82,16 +84,25 @@ def _cut_calls(body: str) -> list[ToolCall] | None:
         if (call := _call_from_object(obj)) is None:
             return None
         calls.append(call)
-    if (m := _CUT_NAME.match(body, i)) is None:
+    cut = _cut_call(body[i:])
+    return [*calls, cut] if cut is not None else calls or None
+
+
+def _cut_call(text: str) -> ToolCall | None:
+    if (m := _CUT_NAME.match(text)) is None:
         return None
+    rest = text[m.end():]
+    if key := _ARGS_KEY.match(rest):
+        args = rest[key.end():].rstrip()
+    elif any(k.startswith(re.sub(r"\s+", "", rest)) for k in (',"arguments":', ',"parameters":')):
+        args = ""  # cut inside the key before the arguments
+    else:
+        return None  # another key after "name": an object, not a call
     try:
         name = json.loads(f'"{m.group(1)}"')
     except ValueError:
         return None
-    args = body[m.end():].rstrip()
-    if any(key.startswith(re.sub(r"\s+", "", args)) for key in (',"arguments":', ',"parameters":')):
-        args = ""  # cut inside the key that comes before the arguments
-    return [*calls, ToolCall(new_call_id(), name, args, complete=False)]
+    return ToolCall(new_call_id(), name, args, complete=False)
 
 
 def _xml_calls(body: str) -> list[ToolCall] | None:
@@ -110,7 +121,10 @@ def _xml_calls(body: str) -> list[ToolCall] | None:
 def _mistral_calls(body: str) -> list[ToolCall] | None:
     if "[ARGS]" in body:  # v11+: name[ARGS]{json}, one per [TOOL_CALLS]
         calls = []
-        for part in body.split("[TOOL_CALLS]"):
+        parts = body.split("[TOOL_CALLS]")
+        if "[ARGS]" not in parts[-1]:  # the output ended in the last call's name
+            parts.pop()
+        for part in parts:
             name, sep, args = part.partition("[ARGS]")
             if not sep:
                 return None
@@ -131,6 +145,7 @@ class Format:
     end: str                    # marker that closes it ("" = the end of the output)
     read: Any                   # body text → list[ToolCall] | None
     template: str               # lark for one call, with NAME and ARGS (a %json rule) in it
+    whole_end: str = ""         # a whole call's body ends so, where ``read`` takes a cut one
 
 
 # Call templates: @@X@@ is a marker (a special token's id where the tokenizer has one, else
@@ -141,7 +156,7 @@ FORMATS: dict[str, Format] = {
                      '"}\\n" @@</tool_call>@@'),
     "qwen3_coder": Format("qwen3_coder", "<tool_call>", "</tool_call>", _xml_calls,
                           '@@<tool_call>@@ "\\n<function=NAME>\\n" XMLARGS "</function>\\n" '
-                          '@@</tool_call>@@'),
+                          '@@</tool_call>@@', whole_end="</function>"),
     "llama3_json": Format("llama3_json", "", "", _json_calls,
                           '"{\\"name\\": \\"NAME\\", \\"parameters\\": " ARGS "}"'),
     "mistral": Format("mistral", "[TOOL_CALLS]", "", _mistral_calls,
@@ -206,12 +221,14 @@ class OutputParser(StreamParser):
         elif self.mode == "call":
             assert self.fmt is not None
             calls = self.fmt.read(rest)
-            if calls and self.fmt.name == "qwen3_coder" and "</function>" not in rest.rstrip()[-12:]:
-                calls[-1].complete = False  # its reader takes a cut parameter as whole
+            if calls and self.fmt.whole_end and not rest.rstrip().endswith(self.fmt.whole_end):
+                calls[-1].complete = False
             calls = calls or _cut_calls(rest)  # the output ended inside (max_tokens, a stop)
             if calls:
                 self._emit(out, calls)
-            elif not self.forced:
+            elif not (self.forced or (self.fmt.start and _CALL_START.match(rest))):
+                # (after a call marker, a body that starts as a call is one cut before its
+                # name: no markup in the content; without a marker, it may be an answer)
                 out.content += self.fmt.start + rest
         elif not self.forced:  # forced, what is held back can only be a call marker's start
             out.content += rest

@@ -86,7 +86,9 @@ def room_left(model: CostModel | None, admission: bool, prompt_tokens: int, ceil
 
 
 def check_max_tokens_only(model: CostModel, admission: bool, max_tokens: int) -> BadRequest | None:
-    """Before tokenizing anything: a prompt has at least one token, so this bound is safe."""
+    """Before tokenizing anything: a prompt has at least one token, so this bound is safe.
+    Its sizes carry that 1: Claude Code retries with max_tokens = limit - input - 1000, and
+    the retry's own refusal, after tokenizing, has the prompt's real size."""
     return check_ever(model, admission, 1, max_tokens, prompt_known=False)
 
 

@@ -165,7 +165,9 @@ class MessagesPresenter:
         # max_tokens first: a tool_use block cut by the limit holds a call that never finished
         if c.finish_reason == "length":
             return "max_tokens"
-        if any(b["type"] == "tool_use" for b in self.blocks):
+        # As chat's finish_reason: tool_calls only when every call is whole (a stop
+        # sequence may cut one)
+        if c.finish_reason == "tool_calls":
             return "tool_use"
         return "stop_sequence" if c.stop_sequence is not None else "end_turn"
 

@@ -71,15 +71,20 @@ def make_error_middleware(shapes: Mapping[str, ErrorBody]) -> Middleware:
     return error_middleware
 
 
+_QUOTED = re.compile(r"""('[^']*'|"[^"]*")""")
+
+
 def renamed(exc: HeadroomError, names: Sequence[tuple[str, str]]) -> HeadroomError:
     """``exc`` with the fields it names (message and ``param``) as another API names them:
     ``names`` are (pattern, replacement) pairs. A Messages or Responses request is checked
     as the chat request it translates to, so its errors name chat's fields."""
-    message = exc.message
+    # Quoted values are the client's own (a tool named "messages"): never renamed
+    parts = _QUOTED.split(exc.message)
     param = exc.param
     for pattern, replacement in names:
-        message = re.sub(pattern, replacement, message)
+        parts[::2] = [re.sub(pattern, replacement, part) for part in parts[::2]]
         param = re.sub(pattern, replacement, param) if param is not None else None
+    message = "".join(parts)
     if message == exc.message and param == exc.param:
         return exc
     out = copy.copy(exc)

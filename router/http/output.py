@@ -112,7 +112,7 @@ class Collector:
                 text += self.stops.flush()
                 stopped = self.stops.is_stopped
         ending = stopped or event.finish_reason is not None
-        self._add(self._split(text, ending))
+        self._add(self._split(text, ending, stopped))
         if stopped:
             self.finished, self.finish_reason = True, "stop"
         elif event.finish_reason is not None:
@@ -122,12 +122,16 @@ class Collector:
                 and all(c.complete for c in self.calls):  # a stop string may cut a call
             self.finish_reason = "tool_calls"
 
-    def _split(self, text: str, ending: bool) -> Delta:
+    def _split(self, text: str, ending: bool, stopped: bool = False) -> Delta:
         if self.parser is None:
             return Delta(content=text)
         d = self.parser.feed(text)
         if ending:
-            d.add(self.parser.finish())
+            last = self.parser.finish()
+            if stopped:  # a call still open when a stop string ended the output is cut
+                for call in last.calls:
+                    call.complete = False
+            d.add(last)
         if self.inline_reasoning and d.reasoning:
             d.content, d.reasoning = d.reasoning + d.content, ""
         return d

@@ -184,8 +184,8 @@ class ResponsesPresenter:
         return out + self._event(f"response.{final['status']}", response=final)
 
     def error(self, exc: HeadroomError) -> bytes:
-        failed = self._response("failed", error={"code": exc.code, "message": exc.message})
         exc = renamed(exc, NAMES)
+        failed = self._response("failed", error={"code": exc.code, "message": exc.message})
         return (self._start()
                 + self._event("error", code=exc.code, message=exc.message, param=exc.param)
                 + self._event("response.failed", response=failed))

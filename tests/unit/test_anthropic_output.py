@@ -18,6 +18,7 @@ from common.errors import (
     QueueTimeout, Unauthorized, WorkerLost,
 )
 from router.http.anthropic_output import MessagesPresenter, error_body
+from router.chat.streamparser import ToolCall
 from router.http.output import Collector
 from router.job import TokenEvent
 
@@ -67,8 +68,11 @@ class CharDetokenizer:
         return ""
 
 
-def collector(stops: list[str] | None = None) -> Collector:
-    return Collector(CharDetokenizer(), stops or [], prompt_tokens=7)  # type: ignore[arg-type]
+def collector(stops: list[str] | None = None, calls: int = 0) -> Collector:
+    """A choice's collector; ``calls``: whole tool calls it parsed (the presenter was fed them)."""
+    c = Collector(CharDetokenizer(), stops or [], prompt_tokens=7)  # type: ignore[arg-type]
+    c.calls += [ToolCall(f"call_{i}", "f", "{}") for i in range(calls)]
+    return c
 
 
 def events(raw: bytes) -> list[dict[str, Any]]:
@@ -133,7 +137,7 @@ def test_thinking_text_and_streamed_tool_calls_become_blocks() -> None:
     for fragment in ('{"city": ', '"Oslo"}'):
         raw += p.feed({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
     raw += p.feed({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "now", "arguments": "{}"}}]})
-    c = collector()
+    c = collector(calls=2)
     c.feed(TokenEvent([], "stop"))
     seq = events(raw + p.tail([c], 7))
     starts = [e["content_block"] for e in seq if e["type"] == "content_block_start"]
@@ -155,7 +159,7 @@ def test_whole_message_with_a_tool_call() -> None:
     p = MessagesPresenter("msg_1", "demo", 7)
     p.feed({"tool_calls": [{"index": 0, "id": "call_a", "function": {
         "name": "f", "arguments": '{"a": 1}'}}]})
-    c = collector()
+    c = collector(calls=1)
     c.feed(TokenEvent([], "stop"))
     whole = p.body([c], 7)
     assert whole["stop_reason"] == "tool_use"
@@ -211,3 +215,30 @@ def test_context_overflow_is_worded_as_anthropic_words_it() -> None:
     too_long = ContextLengthExceeded("14016 over 4096", sizes=(14016, 10, 4096))
     assert error_body(too_long)["error"]["message"] == "prompt is too long: 14016 tokens > 4096 maximum"
     assert error_body(ContextLengthExceeded("plain"))["error"]["message"] == "plain"
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "harmony"])
+def test_a_call_cut_by_a_stop_sequence_is_no_tool_use(fmt: str) -> None:
+    """A stop string that ends the output inside a call: chat says stop, Messages
+    stop_sequence, and no client runs the cut call as if it were whole."""
+    from router.chat.tools import make_parser
+
+    text = {"hermes": '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "b", "arguments": {"x": "Par',
+            "harmony": '<|channel|>commentary to=functions.b <|constrain|>json<|message|>{"x": "Par'}[fmt]
+    c = Collector(CharDetokenizer(), ["Par"], prompt_tokens=7, parser=make_parser(fmt))  # type: ignore[arg-type]
+    c.feed(TokenEvent([ord(ch) for ch in text], None))
+    assert c.finished and c.finish_reason == "stop" and c.calls[-1].name == "b"
+    p = MessagesPresenter("msg_1", "demo", 7)
+    p.feed(c.take_chat_delta())
+    whole = p.body([c], 7)
+    assert whole["stop_reason"] == "stop_sequence" and whole["stop_sequence"] == "Par"
+
+
+def test_quoted_values_are_never_renamed() -> None:
+    from router.http.http_errors import renamed
+    from router.http.responses_output import NAMES
+
+    exc = BadRequest("tool_choice names 'messages', which is not in tools; messages[2] too",
+                     param="tool_choice")
+    assert renamed(exc, NAMES).message == "tool_choice names 'messages', which is not in tools; input too"

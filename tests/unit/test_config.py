@@ -484,3 +484,11 @@ def test_a_ring_hostfile_is_taken(env: dict[str, str], tmp_path: Path) -> None:
     path = write(tmp_path / "hosts.json", '[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
     argv = ["--model", "m", "--router", "ipc://a", "--distributed", str(path), "--rank", "1"]
     assert load_worker(argv, env).rank == 1
+
+
+def test_a_value_is_blamed_only_for_the_flag_its_error_starts_with(env: dict[str, str]) -> None:
+    """A tcp:// --router from the command line without its secret key: the error names
+    --router, which came from the command line, not the server key from the environment."""
+    message = error_of(lambda: load_worker(["--model", "m", "--router", "tcp://10.0.0.2:5555"],
+                                           {**env, "MLX_WORKER_CURVE_SERVER_KEY": "k"}))
+    assert message.startswith("--router") and "from environment" not in message

@@ -108,3 +108,14 @@ def test_reasoning_text_and_streamed_function_calls_become_items() -> None:
         "function_call", "call_a", "shell", "completed")
     assert final["output"][1]["content"][0]["text"] == "Running it."
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Think."}]
+
+
+def test_a_stream_s_error_event_and_failed_response_name_the_same_fields() -> None:
+    from common.errors import ContextLengthExceeded
+
+    exc = ContextLengthExceeded("the request has 5 prompt tokens and max_tokens 80", param="max_tokens")
+    seq = events(ResponsesPresenter("resp_1", {}).error(exc))
+    error = next(e for e in seq if e["type"] == "error")
+    failed = next(e for e in seq if e["type"] == "response.failed")["response"]["error"]
+    assert error["param"] == "max_output_tokens" and "max_output_tokens 80" in error["message"]
+    assert failed["message"] == error["message"]

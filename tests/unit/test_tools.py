@@ -178,7 +178,18 @@ CUT: list[tuple[str, str, list[tuple[str, str, bool]]]] = [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Os', [("get_weather", '{"city": "Os', False)]),
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {"a', [("now", '{"a', False)]),
     ("mistral", '[TOOL_CALLS]now[ARGS]{"a', [("now", '{"a', False)]),
+    # A whole call, then one cut in its name: the whole one is kept
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_ti',
+     [("get_weather", '{"city": "Paris"}', True)]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_t',
+     [("get_weather", '{"city": "Paris"}', True)]),
 ]
+
+
+@pytest.mark.parametrize("text", ['{"name": "Alice", "age": 3', '{"name": "f", "id": 1, "arguments": {'])
+def test_a_cut_object_with_a_name_but_no_arguments_key_is_no_call(text: str) -> None:
+    out = run("llama3_json", text, 4)
+    assert out.calls == [] and out.content == text
 
 
 @pytest.mark.parametrize(("fmt", "text", "expected"), CUT, ids=[f"{c[0]}-{i}" for i, c in enumerate(CUT)])
@@ -192,8 +203,13 @@ def test_a_call_cut_short_is_a_call_with_the_arguments_written_so_far(
     assert [(c.name, c.arguments, c.complete) for c in out.calls] == expected
 
 
-@pytest.mark.parametrize("text", ["<tool_call>\n", '<tool_call>\n{"na', "<tool_call>\nnot json"])
-def test_a_call_cut_before_its_name_is_shown_as_written(text: str) -> None:
+@pytest.mark.parametrize("text", ["<tool_call>\n", '<tool_call>\n{"na'])
+def test_a_call_cut_before_its_name_shows_no_markup(text: str) -> None:
+    assert run("hermes", text, 3).content == "" and run("hermes", text, 3).calls == []
+
+
+def test_an_unclosed_marker_before_text_that_is_no_call_is_shown_as_written() -> None:
+    text = "<tool_call>\nnot json"
     assert run("hermes", text, 3).content == text and run("hermes", text, 3).calls == []
 
 
