@@ -338,6 +338,7 @@ class WorkerCore:
         the iteration's work began, for the loop's own timing (``loop`` in the report)."""
         started = time.perf_counter() if started is None else started
         steps = self.timing.steps
+        self.engine.remove_cancelled()  # every Cancel this input brought, in one filter
         if self._compiling:
             self.admit_compiled()
         if self.cache is not None:  # the disk tier writes while the engine is quiet

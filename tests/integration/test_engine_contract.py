@@ -117,13 +117,34 @@ def test_cancel_frees_the_row_at_once(engine: Engine) -> None:
     uid = engine.running["drop"].uid
     assert uid in engine.generator._generation_batch.uids
     assert engine.cancel("drop")
+    assert list(engine.running) == ["keep"]
+    engine.remove_cancelled()  # the worker's next step does this first
     assert uid not in engine.generator._find_uids([uid])
     assert uid not in engine.generator._generation_batch.uids
-    assert list(engine.running) == ["keep"]
     outputs = []
     while engine.has_work:
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {"keep"}
+
+
+def test_rows_cancelled_together_leave_the_batch_in_one_filter(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each removal filters every layer of the batch's KV: thirty clients gone at once,
+    removed one by one, stalled the other streams for seconds."""
+    engine.set_prefill_step(64)
+    for i in range(6):
+        engine.add(f"r{i}", [5 + i] * 10, max_tokens=50, sampling=GREEDY)
+    for _ in range(4):
+        engine.step()
+    removals: list[list[int]] = []
+    real_remove = engine.generator.remove
+    monkeypatch.setattr(engine.generator, "remove", lambda uids: (removals.append(list(uids)), real_remove(uids))[1])
+    for i in range(5):
+        assert engine.cancel(f"r{i}")
+    outputs = engine.step()
+    assert len(removals) == 1 and len(removals[0]) == 5
+    assert {o.request_id for o in outputs} == {"r5"}
+    engine.cancel_all()
 
 
 def test_finished_requests_leave_nothing_behind(engine: Engine) -> None:
