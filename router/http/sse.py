@@ -102,11 +102,16 @@ class Responder:
     async def stream(self, request: web.Request, rows: Rows, collectors: list[Collector],
                       present: Presenter) -> web.StreamResponse:
         response: web.StreamResponse | None = None
+        # Timed from the last write, not the last event: tokens of a tool call being written
+        # arrive all along but say nothing until the call is whole (a proxy's read timeout
+        # counts bytes).
+        quiet_since = time.monotonic()
         while not all(c.finished for c in collectors):
             try:
-                async with asyncio.timeout(self.limits.keepalive_s):
+                async with asyncio.timeout(max(0.0, quiet_since + self.limits.keepalive_s - time.monotonic())):
                     index, event = await rows.events.get()
             except TimeoutError:
+                quiet_since = time.monotonic()
                 if response is not None:
                     await self.write(request, response, present.keepalive())
                 elif is_client_gone(request):
@@ -127,10 +132,13 @@ class Responder:
             response = response or await self.start_stream(request)
             if chunk:
                 await self.write(request, response, chunk)
-                sent = time.monotonic()
+                sent = quiet_since = time.monotonic()
                 for job in rows.jobs:  # the first token's first byte, for the finished log line
                     if job.first_sent_at is None and job.first_token_at is not None:
                         job.first_sent_at = sent
+            elif time.monotonic() - quiet_since >= self.limits.keepalive_s:
+                await self.write(request, response, present.keepalive())
+                quiet_since = time.monotonic()
         assert response is not None
         await self.write(request, response, present.tail(collectors, rows.prompt_tokens))
         return response

@@ -77,3 +77,25 @@ def test_streams_refused_while_queued_after_the_model_grows_get_a_400(
     assert anthropic_error["error"]["type"] == "invalid_request_error"
     assert plain["error"]["message"] in anthropic_error["error"]["message"]
     assert router.worker()["pid"] == pid
+
+
+LONG_ARGUMENT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 120, "maxLength": 120}},
+                 "required": ["text"], "additionalProperties": False}
+
+
+def test_a_tool_call_being_written_sends_keepalives(fresh_router: Callable[..., Router]) -> None:
+    """The call's tokens flow all along but show nothing until it is whole: the stream's
+    keepalive is timed from its last write, so a proxy counting idle bytes sees some (it
+    was timed from the last token: none came in 15 s of a call on the demo model)."""
+    router = fresh_router("--sse-keepalive", str(KEEPALIVE_S))
+    tool = {"type": "function", "function": {"name": "write", "parameters": LONG_ARGUMENT}}
+    body = {"model": "m", "messages": QUESTION, "tools": [tool], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 400, "stream": True}
+    with router.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    calls = [i for i, line in enumerate(lines) if '"tool_calls"' in line]
+    assert calls, lines[-5:]
+    # Between the role chunk and the call: the 120-character argument took well over 100
+    # tokens, written at 20 keepalive periods a second
+    assert ": keepalive" in lines[:calls[0]]
+    assert lines[-1] == "data: [DONE]"
