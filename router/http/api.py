@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # releases the GIL and a huge prompt cannot stall every other stream.
 INLINE_TOKENIZE_CHARS = 2048
 CLIENT_CLOSED_REQUEST = 499
+CLIENT_CLOSED = "client_closed"  # request key: the router dropped a client that stopped reading
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only a body with one can hold a lone
 # surrogate, which no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -190,8 +191,11 @@ class Api:
             self.fleet.note_request(served, keep_alive_of(body))
             rows = await self._admit(served, parsed, arrived, request_id, endpoint.id_prefix)
             response = await self._run(request, body, parsed, rows, endpoint)
-            status = response.status
+            status = CLIENT_CLOSED_REQUEST if request.get(CLIENT_CLOSED) else response.status
             return response
+        except asyncio.CancelledError:  # the client went away (aiohttp cancels its handler)
+            status = CLIENT_CLOSED_REQUEST
+            raise
         except HeadroomError as exc:
             status = exc.status
             if exc.status != 500:
@@ -419,6 +423,7 @@ class Api:
                 try:
                     return await self.respond.stream(request, rows, collectors, present)
                 except SlowReader as exc:
+                    request[CLIENT_CLOSED] = True  # dropped: counted as a client that left
                     return exc.response  # the jobs are cancelled below, their rows freed
                 except ClientGone:
                     # Never sent (aiohttp drops it quietly); 499, nginx's "client closed

@@ -33,6 +33,8 @@ def running(router: Router) -> int:
 
 def test_disconnected_stream_frees_its_row(router: Router) -> None:
     before = metric(router, "headroom_cancelled_requests_total", 'where="running"')
+    closed = metric(router, "headroom_requests_total", 'endpoint="completions",status="499"')
+    failed = metric(router, "headroom_requests_total", 'endpoint="completions",status="500"')
     with httpx.Client(base_url=router.url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
             assert resp.status_code == 200
@@ -43,6 +45,10 @@ def test_disconnected_stream_frees_its_row(router: Router) -> None:
     # The client hung up after a few tokens of 3000: its row must leave the generator.
     wait_until(lambda: running(router) == 0, 10, "the worker's running count to drop to 0")
     assert metric(router, "headroom_cancelled_requests_total", 'where="running"') == before + 1
+    # Counted as nginx's 499 "client closed request", never as a server error
+    wait_until(lambda: metric(router, "headroom_requests_total", 'endpoint="completions",status="499"')
+               == closed + 1, 10, "the request counted as 499")
+    assert metric(router, "headroom_requests_total", 'endpoint="completions",status="500"') == failed
 
 
 def test_disconnected_non_streaming_request_is_cancelled(router: Router) -> None:
