@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import time
 from typing import Any, Protocol
 
@@ -157,7 +158,7 @@ class Responder:
                 await response.write(data)
                 # aiohttp waits for the socket only every 64 KiB written; hold to our bound.
                 while transport is not None and \
-                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes:
+                        transport.get_write_buffer_size() > self.limits.stream_buffer_bytes // 2:
                     await asyncio.sleep(DRAIN_POLL_S)
         except TimeoutError:
             self.metrics.slow_readers.inc()
@@ -182,6 +183,8 @@ class Responder:
         return b"".join(present.delta(collectors[i]) for i in touched)
 
     async def start_stream(self, request: web.Request) -> web.StreamResponse:
+        # --stream-buffer-bytes is shared: half in the kernel's send buffer, half in the
+        # transport's (``write``), so a client that stops reading holds no more than it.
         response = _Stream(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
         sock = request.transport.get_extra_info("socket") if request.transport else None
@@ -189,5 +192,11 @@ class Responder:
             # The kernel's send buffer autotunes to megabytes for a peer that does not read;
             # a token stream needs far less, and this keeps the whole buffer bounded.
             with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.stream_buffer_bytes)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _kernel_share(self.limits.stream_buffer_bytes))
         return response
+
+
+def _kernel_share(buffer_bytes: int) -> int:
+    """SO_SNDBUF for half of ``buffer_bytes``: Linux doubles the value it is given (for its
+    own bookkeeping), other systems take it as is."""
+    return buffer_bytes // 4 if sys.platform.startswith("linux") else buffer_bytes // 2
