@@ -21,6 +21,7 @@ from router.fleet.dispatch import Dispatcher
 from router.fleet.fleet import Fleet
 from router.fleet.models import ModelSpec, build_catalog, check_pins
 from router.fleet.placement import lease_mb
+from router.fleet.standby import WORKER_MODULE
 from router.fleet.supervisor import SpawnSpec
 from router.http import anthropic_output, responses_output
 from router.http.anthropic_api import Messages
@@ -83,7 +84,7 @@ def worker_argv(cfg: RouterConfig, addr: str, model: str | None = None,
                 limit_mb: int | None = None) -> list[str]:
     """The spawned worker's command; ``limit_mb``: its share of the host budget."""
     source = model if model is not None else cfg.model[0]
-    argv = [sys.executable, "-m", "worker", "--model", source, "--router", addr,
+    argv = [sys.executable, *WORKER_MODULE, "--model", source, "--router", addr,
             "--parent-pipe", "--log-level", cfg.log_level, "--log-format", cfg.log_format]
     limit = limit_mb if limit_mb is not None else cfg.memory_limit_mb
     if limit is not None:

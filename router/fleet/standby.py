@@ -22,7 +22,9 @@ from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = ("-m", "worker")
+# -P: the worker's imports never come from the folder the router was started in (a
+# common.py there stopped every worker with "'common' is not a package")
+WORKER_MODULE = ("-P", "-m", "worker")
 STANDBY_FLAG = "--standby"       # worker/__main__.py's
 DISCARD_TIMEOUT_S = 5.0          # TERM → KILL: it holds nothing, and exits at once
 # A standby is spawned once its worker has been ready this long: its imports (a second of
@@ -34,9 +36,12 @@ STANDBY_AFTER_S = 10.0
 def worker_args(argv: Sequence[str]) -> list[str] | None:
     """The arguments after ``python -m worker``, or None for a command a standby cannot
     stand in for (another program, a test double)."""
-    if len(argv) < 3 or tuple(argv[1:3]) != WORKER_MODULE:
+    rest = list(argv[1:])
+    if rest[:1] == ["-P"]:
+        rest = rest[1:]
+    if tuple(rest[:2]) != WORKER_MODULE[-2:]:
         return None
-    return list(argv[3:])
+    return rest[2:]
 
 
 class Standby:

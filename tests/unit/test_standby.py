@@ -49,3 +49,12 @@ def test_a_standby_refuses_a_line_it_cannot_read(monkeypatch) -> None:
     for line in (b'["--model", "demo"]\n', b'{"args": [1], "told_at": 0}\n', b'{"args": []}\n'):
         with pytest.raises(SystemExit, match="expected"):
             _told(monkeypatch, line)
+
+
+def test_the_worker_command_ignores_the_folder_it_is_started_in() -> None:
+    """-P: a common.py in the router's working folder never shadows the worker's imports."""
+    from common.config import RouterConfig
+    from router.app import worker_argv
+
+    argv = worker_argv(RouterConfig(model=("demo",)), "ipc:///tmp/x")
+    assert argv[1:4] == ["-P", "-m", "worker"] and worker_args(argv)[:2] == ["--model", "demo"]  # type: ignore[index]
