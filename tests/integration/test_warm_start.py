@@ -7,6 +7,7 @@ timing assertions (one noisy neighbour on a shared 2-core machine decided this t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,9 +32,11 @@ def test_a_fresh_worker_warms_up_within_its_limit_before_it_serves(
     for i in range(4):
         with router.http.stream("POST", "/v1/completions", json={
                 "prompt": f"a fresh prompt, number {i}, for the warm start", "max_tokens": 4,
-                "stream": True, "ignore_eos": True}) as response:
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}) as response:
             assert response.status_code == 200
-            assert sum(line.startswith("data: {") for line in response.iter_lines()) >= 4
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        # (a chunk may carry several tokens: the usage counts them)
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
     # The loop's own account of its time: four requests of 4 tokens took steps, each
     # inside a loop iteration that had work.
     loop = router.memory()["workers"][0]["loop"]
