@@ -207,13 +207,15 @@ class Engine:
         and the prompt less its last token. One that can trim is served at any of them by
         trimming the finished row's entry (prompt and answer), so it stops once at most: at
         the first boundary (the system prompt and tools, which other conversations share,
-        stored while this one still runs), and only when nothing of the prompt was cached.
-        A cached turn's rest is then prefilled in as few steps as a cold prompt that long.
+        stored while this one still runs), and only when the cached prefix ends before it
+        (a hit of the template's header and a shared first block is common, and once
+        skipped the store for any hit at all). A cached turn's rest is then prefilled in as
+        few steps as a cold prompt that long.
         """
         ends = boundaries if self.can_trim else [*boundaries, num_tokens - 1]
         inside = sorted({b for b in ends if cached < b < num_tokens})
         if self.can_trim:
-            return inside[:1] if cached == 0 else []
+            return inside[:1] if boundaries and cached < min(boundaries) else []
         return inside
 
     def cancel(self, request_id: str) -> bool:

@@ -233,6 +233,28 @@ def test_a_message_boundary_is_stored_before_the_row_moves_on(cache_home: Path) 
         engine.step()
 
 
+def test_a_prompt_whose_short_hit_ends_before_its_first_boundary_still_stores_it(cache_home: Path) -> None:
+    """Sessions share the template's header and a first system block with earlier prompts:
+    a hit that ends before the system message's end must not skip storing it (parallel
+    sessions with that system prompt reuse it while this one still runs)."""
+    engine = cached_engine(cache_home, prefill_step_size=64)
+    assert engine.can_trim
+    shared = list(range(3, 23))
+    engine.add("earlier", shared + list(range(300, 340)), max_tokens=2, sampling=GREEDY)
+    while engine.has_work:
+        engine.step()
+        engine.store_pending()
+    prompt = shared + list(range(400, 460))
+    hit = engine.cache.lookup(prompt)
+    assert hit is not None and 0 < hit.tokens < 50
+    engine.add("session", prompt, max_tokens=2, sampling=GREEDY, hit=hit, boundaries=[50])
+    assert engine.step() == []          # the chunk up to the system message's end
+    engine.store_pending()
+    assert engine.cache.lookup(prompt[:50] + [999] * 10).tokens == 50  # type: ignore[union-attr]
+    while engine.has_work:
+        engine.step()
+
+
 def steps_to_first_token(engine: Engine, request_id: str) -> int:
     steps = 0
     while not any(o.request_id == request_id for o in engine.step()):
