@@ -445,7 +445,8 @@ def load(cls: type[C], argv: Sequence[str], env: Mapping[str, str], prog: str) -
     values: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
 
-    config_path = args.pop("config", None) or env.get(f"MLX_{section.upper()}_CONFIG")  # explicit_config's
+    args.pop("config", None)
+    config_path = explicit_config(argv, env, section)
     path = Path(config_path).expanduser() if config_path else default_config_path(env)
     if config_path or path.exists():
         values.update(_read_file(cls, path, section, explicit=bool(config_path)))

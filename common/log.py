@@ -107,9 +107,9 @@ def config_error_line(process: str, message: str, argv: Sequence[str], env: Mapp
         a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:]))
     if not wants_json:
         return f"{process}: {message}"
-    ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-    return json.dumps({"ts": ts + "Z", "level": "error", "logger": process, "msg": message,
-                       "process": process})
+    record = logging.makeLogRecord({"name": process, "levelno": logging.ERROR,
+                                    "levelname": "ERROR", "msg": message})
+    return JsonFormatter().format(record)  # the shape of every other JSON line
 
 
 def setup_logging(level: str, fmt: str = "text", *, process: str,
